@@ -1,0 +1,31 @@
+"""Helpers for the Training Step Anatomy course: a toy GPT, its data, a memory tracker and plots."""
+
+from .data import CharTokenizer, get_batch, get_tokenizer, load_text, seed_everything
+from .model import GPT, ModelConfig
+from .plots import CATEGORY_COLORS, plot_module_bars, plot_timeline
+from .tracker import CATEGORIES, PHASES, MemoryBudgetExceeded, StepTracker, Trace
+from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps, train_step
+
+__all__ = [
+    "CATEGORIES",
+    "CATEGORY_COLORS",
+    "GPT",
+    "OPTIMIZERS",
+    "PHASES",
+    "CharTokenizer",
+    "MemoryBudgetExceeded",
+    "ModelConfig",
+    "StepTracker",
+    "Trace",
+    "get_batch",
+    "get_tokenizer",
+    "load_text",
+    "make_model",
+    "make_optimizer",
+    "pick_device",
+    "plot_module_bars",
+    "plot_timeline",
+    "seed_everything",
+    "track_steps",
+    "train_step",
+]

@@ -1,0 +1,80 @@
+"""``python -m anatomy_helpers``: track a few training steps and report where the memory went."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
+from .plots import plot_timeline
+from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ModelConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m anatomy_helpers",
+        description="Track N training steps of the course's toy transformer and print where the memory went "
+        "(a phase x category table in MiB, the peak and the module it happened in), then save the timeline plot.",
+    )
+    p.add_argument("--steps", type=_positive_int, default=3, help="training steps to track (default: 3)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA if available, else CPU)")
+    p.add_argument("--layers", type=_positive_int, default=d.n_layer, help=f"transformer blocks (default: {d.n_layer})")
+    p.add_argument("--d-model", type=_positive_int, default=d.d_model, help=f"hidden size (default: {d.d_model})")
+    p.add_argument("--heads", type=_positive_int, default=d.n_head, help=f"attention heads (default: {d.n_head})")
+    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help=f"sequence length (default: {d.seq_len})")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per batch (default: 8)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
+    p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
+    p.add_argument("--dropout", type=float, default=d.dropout, help=f"dropout probability (default: {d.dropout})")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
+    p.add_argument("--out", default="timeline.png", help="where to write the timeline PNG (default: timeline.png)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        device = pick_device(args.device)
+        config = dict(
+            n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq_len,
+            attn_impl=args.attn, dtype=args.dtype, dropout=args.dropout,
+        )
+        ModelConfig(**config)  # check the combination before building anything
+    except (ValueError, RuntimeError) as e:
+        parser.error(str(e))
+    model = make_model(device=device, seed=args.seed, **config)
+    optimizer = make_optimizer(model, args.optimizer)
+    print(
+        f"{model.num_params():,} parameters, {args.optimizer}, batch {args.batch_size} x {args.seq_len} tokens, "
+        f"{args.attn} attention, {args.dtype}, on {device}",
+        flush=True,
+    )
+    trace = track_steps(model, optimizer, args.steps, args.batch_size, seed=args.seed, progress=True)
+    print(trace.table())
+    times = trace.step_times_s()
+    print("wall time per step: " + ", ".join(f"step {s} {t * 1e3:.0f} ms" for s, t in times.items()))
+    fig = plot_timeline(trace)
+    fig.savefig(args.out, dpi=120)
+    print(f"timeline written to {args.out}")
+    if device.type == "cuda":
+        print(f"CUDA max_memory_allocated: {torch.cuda.max_memory_allocated(device) / 2**20:.2f} MiB")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The course data: Shakespeare's sonnets (public domain), character by character.
+
+No downloads: the text ships inside the package. Batches are a pure function of
+(seed, step), so every run of a notebook sees the same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from importlib import resources
+
+import torch
+
+TEXT_FILE = "sonnets.txt"
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python's and torch's random generators (and numpy's, if installed)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for the model itself
+        return
+    np.random.seed(seed)
+
+
+@lru_cache(maxsize=1)
+def load_text() -> str:
+    """The whole course text as one string."""
+    return resources.files("anatomy_helpers").joinpath("data", TEXT_FILE).read_text(encoding="utf-8")
+
+
+class CharTokenizer:
+    """Maps each distinct character of a text to an integer id and back."""
+
+    def __init__(self, text: str):
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, s: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in s]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the tokenizer's vocabulary") from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+@lru_cache(maxsize=1)
+def get_tokenizer() -> CharTokenizer:
+    return CharTokenizer(load_text())
+
+
+@lru_cache(maxsize=1)
+def _token_ids() -> torch.Tensor:
+    return torch.tensor(get_tokenizer().encode(load_text()), dtype=torch.long)
+
+
+def get_batch(
+    batch_size: int = 8,
+    seq_len: int = 128,
+    *,
+    step: int = 0,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic batch of next-character prediction examples.
+
+    Returns ``(x, y)``, both (batch_size, seq_len) int64, where ``y`` is ``x``
+    shifted by one character. The same (seed, step) always gives the same batch.
+    """
+    data = _token_ids()
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    if seq_len + 1 > len(data):
+        raise ValueError(f"seq_len={seq_len} is longer than the course text ({len(data)} characters)")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=g)
+    x = torch.stack([data[i : i + seq_len] for i in starts.tolist()])  # (B, T)
+    y = torch.stack([data[i + 1 : i + 1 + seq_len] for i in starts.tolist()])  # (B, T)
+    return x.to(device), y.to(device)
+
+
+# Encode the text once at import, so the first get_batch() inside a tracker does not
+# show the 200 KB token tensor as a new allocation of that step.
+_token_ids()

@@ -1,0 +1,183 @@
+"""A small GPT-style decoder whose memory we can take apart.
+
+It reads like nanoGPT's model.py on purpose: one config dataclass, one module per
+idea, shape comments in (B, T, C) notation. Submodule names are stable
+(``blocks.0.attn``, ``blocks.0.mlp.fc`` ...) so the step tracker can say which
+module was running when memory was allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ATTENTION_IMPLS = ("manual", "sdpa")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CHECKPOINT_MODES = ("none", "full")
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4  # transformer blocks (L)
+    d_model: int = 256  # hidden size (h)
+    n_head: int = 4  # attention heads (a); d_model must divide evenly
+    seq_len: int = 128  # context length (s); also the number of position embeddings
+    vocab_size: int = 59  # distinct characters in the course text (data.get_tokenizer())
+    mlp_ratio: int = 4  # MLP hidden size = mlp_ratio * d_model
+    dropout: float = 0.0  # attention and residual dropout; off by default
+    dtype: str = "float32"  # "float32" or "bfloat16" (bf16 works on CPU too)
+    attn_impl: str = "manual"  # "manual" keeps the (B, a, s, s) scores; "sdpa" fuses them away
+    checkpoint: str = "none"  # activation checkpointing per block: "none" or "full"
+
+    def __post_init__(self):
+        for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"ModelConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head}) "
+                "so every head gets the same width"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.attn_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"ModelConfig.attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"ModelConfig.checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # q, k, v for all heads at once
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)  # output projection
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        if cfg.attn_impl == "manual":
+            # True where a position may attend (itself and the past). Not a parameter.
+            mask = torch.tril(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool))
+            self.register_buffer("mask", mask.view(1, 1, cfg.seq_len, cfg.seq_len), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        H, D = self.cfg.n_head, self.cfg.head_dim
+        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        if self.cfg.attn_impl == "manual":
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, T): the quadratic term
+            att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
+            att = F.softmax(att, dim=-1)  # (B, H, T, T), saved for backward
+            att = self.attn_drop(att)
+            y = att @ v  # (B, H, T, D)
+        else:
+            p = self.cfg.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.gelu = nn.GELU()
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+        return self.drop(self.proj(self.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln2(x))  # (B, T, C)
+        return x
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` blocks, final LayerNorm, LM head, cross-entropy.
+
+    The LM head shares its weight with the token embedding (as in GPT-2 and nanoGPT),
+    so the parameter count is the textbook ``h*v + L*(12h^2 + 13h) + 2h`` plus
+    ``s*h`` for the learned position embeddings.
+    """
+
+    def __init__(self, cfg: ModelConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or ModelConfig()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # weight tying: one storage, counted once
+        self.apply(self._init_weights)
+        self.to(cfg.torch_dtype)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Number of parameters, each shared tensor counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def run_block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        """Run one block; the hook point for activation checkpointing."""
+        if self.cfg.checkpoint == "full" and torch.is_grad_enabled():
+            # Keep only the block's input; recompute its insides during backward.
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx, targets: (B, T) token ids. Returns (logits (B, T, V), loss or None)."""
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds ModelConfig.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = self.run_block(block, x)
+        x = self.ln_f(x)  # (B, T, C)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            # The loss is taken in fp32 whatever the model dtype, as mixed-precision training does.
+            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.view(B * T))
+        return logits, loss

@@ -1,0 +1,141 @@
+"""Plots of a Trace. One colour per memory category in every notebook (Okabe-Ito, colour-blind safe).
+
+Figures are built with ``matplotlib.figure.Figure`` rather than pyplot, so no
+global figure is left open; Jupyter shows a returned Figure as the cell's value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from .tracker import CATEGORIES, PHASES, Trace
+
+CATEGORY_COLORS = {
+    "parameters": "#0072B2",  # blue
+    "optimizer_state": "#009E73",  # bluish green
+    "gradients": "#E69F00",  # orange
+    "inputs": "#56B4E9",  # sky blue
+    "activations": "#D55E00",  # vermillion
+    "temporaries": "#CC79A7",  # reddish purple
+}
+CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
+PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+
+
+def pick_unit(nbytes: float) -> tuple[str, float]:
+    """('GiB', 2**30) for sizes of 2 GiB and up, else ('MiB', 2**20)."""
+    return ("GiB", 2**30) if nbytes >= 2 * 2**30 else ("MiB", 2**20)
+
+
+def _new_axes(ax, figsize):
+    if ax is not None:
+        return ax.figure, ax
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None = None, annotate_peak: bool = True):
+    """Stacked bytes per category over the trace, phases shaded, steps marked, peak annotated.
+
+    ``x``: "event" (the allocation/free count, even spacing per memory event) or
+    "time" (milliseconds since tracking began). Returns the Figure.
+    """
+    if x not in ("event", "time"):
+        raise ValueError(f"x must be 'event' or 'time', got {x!r}")
+    tl = trace.timeline
+    fig, ax = _new_axes(ax, (10, 4.5))
+    if len(tl) == 0:
+        raise ValueError("the trace has no samples: was anything run inside the tracker?")
+    unit, scale = pick_unit(tl.total.max())
+    xs = np.arange(len(tl)) if x == "event" else tl.time_s * 1e3
+    ax.stackplot(
+        xs,
+        *(tl.bytes[:, j] / scale for j in range(len(CATEGORIES))),
+        colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
+        labels=[CATEGORY_LABELS[c] for c in CATEGORIES],
+        step="post",
+        linewidth=0,
+    )
+    top = tl.total.max() / scale * 1.18
+    previous_step = None
+    for ph in trace.phases():
+        if ph.phase == "idle":
+            continue
+        x0, x1 = xs[ph.start], xs[min(ph.end + 1, len(xs) - 1)]
+        ax.axvspan(x0, x1, color=PHASE_SHADES[ph.phase], zorder=0, linewidth=0)
+        ax.text((x0 + x1) / 2, top * 0.97, PHASE_SHORT[ph.phase], ha="center", va="top", fontsize=8, color="#444")
+        if ph.step != previous_step:
+            ax.axvline(x0, color="#333", linestyle="--", linewidth=0.8)
+            ax.text(x0, top * 0.90, f" step {ph.step}", ha="left", va="top", fontsize=9)
+            previous_step = ph.step
+    if annotate_peak:
+        pk = trace.peak()
+        px, py = xs[pk.index], pk.bytes / scale
+        ax.plot([px], [py], marker="v", color="black", markersize=6)
+        ax.annotate(
+            f"peak {py:.1f} {unit}\n{pk.module}",
+            (px, py),
+            xytext=(18, -28),
+            textcoords="offset points",
+            ha="left",
+            fontsize=8,
+            bbox={"boxstyle": "round", "fc": "white", "ec": "#888"},
+            arrowprops={"arrowstyle": "-", "color": "#555"},
+        )
+    ax.set_ylim(0, top)
+    ax.set_xlim(xs[0], xs[-1])
+    ax.set_xlabel("memory event (allocation or free)" if x == "event" else "time since tracking began (ms)")
+    ax.set_ylabel(f"live tensor memory ({unit})")
+    ax.set_title(title or f"Memory through {len(trace.training_steps())} training step(s) on {trace.meta['device']}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category", title_fontsize=8)
+    return fig
+
+
+def moment_index(trace: Trace, step: int, phase: str = "forward") -> int:
+    """Sample index at the end of ``phase`` in ``step`` (e.g. the end of step 1's forward)."""
+    for ph in trace.phases():
+        if ph.step == step and ph.phase == phase:
+            return ph.end
+    raise ValueError(f"step {step} has no {phase!r} phase; phases recorded: {PHASES}")
+
+
+def plot_module_bars(trace: Trace, index: int | None = None, *, step: int = 1, phase: str = "forward", depth: int = 2, ax=None):
+    """Horizontal stacked bars: live bytes by category for each module at one moment.
+
+    The moment is sample ``index``, or by default the end of ``phase`` in ``step``.
+    Bytes count under the module that allocated them (parameters under their owner).
+    Returns the Figure.
+    """
+    if index is None:
+        index = moment_index(trace, step, phase)
+        when = f"end of step {step}'s {phase}"
+    else:
+        when = f"sample {index}"
+    rows = trace.live_by_module(index, depth=depth)
+    names = sorted(rows, key=_module_sort_key)
+    fig, ax = _new_axes(ax, (9, 0.35 * len(names) + 1.6))
+    unit, scale = pick_unit(max(sum(r.values()) for r in rows.values()) if rows else 0)
+    left = np.zeros(len(names))
+    ys = np.arange(len(names))
+    for c in CATEGORIES:
+        vals = np.array([rows[n][c] for n in names]) / scale
+        if vals.any():
+            ax.barh(ys, vals, left=left, color=CATEGORY_COLORS[c], label=CATEGORY_LABELS[c])
+        left += vals
+    ax.set_yticks(ys, names)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"live bytes allocated by the module ({unit})")
+    ax.set_title(f"Memory by module at the {when}")
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+def _module_sort_key(name: str):
+    # embeddings first, blocks in numeric order, then the rest as the model runs them
+    order = ["tok_emb", "pos_emb", "drop", "blocks", "ln_f", "lm_head", "model", "optimizer", "-"]
+    parts = name.split(".")
+    head = order.index(parts[0]) if parts[0] in order else len(order)
+    num = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1
+    return (head, num, name)
