@@ -43,6 +43,10 @@ NO_MODULE, ROOT, OPT_STEP, OPT_ZERO_GRAD = "-", "model", "optimizer.step", "opti
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
 
 
+def _round_up(nbytes: np.ndarray, multiple: int) -> np.ndarray:
+    return -(-nbytes // multiple) * multiple
+
+
 class MemoryBudgetExceeded(RuntimeError):
     """Live tracked bytes went over the tracker's ``budget_bytes``: a simulated out-of-memory."""
 
@@ -587,6 +591,19 @@ class Trace:
             row = out.setdefault(name, dict.fromkeys(CATEGORIES, 0))
             row[CATEGORIES[self.alloc_category[aid]]] += int(alive[aid])
         return out
+
+    def replay_baseline(self, round_to: int = 1) -> int:
+        """Bytes alive when tracking began, each allocation rounded up to ``round_to`` bytes."""
+        return int(_round_up(self.meta["baseline_deltas"][1], round_to).sum())
+
+    def replay_totals(self, round_to: int = 1) -> np.ndarray:
+        """Total live bytes after each sample, each allocation rounded up to ``round_to`` bytes.
+
+        ``round_to=512`` mimics the CUDA caching allocator's block sizes, so the
+        result can be compared with ``torch.cuda.memory_allocated()``.
+        """
+        d = self.meta["alloc_deltas"]
+        return self.replay_baseline(round_to) + np.cumsum(np.sign(d) * _round_up(np.abs(d), round_to))
 
     # ---- printing -------------------------------------------------------------------
     def table(self) -> str:

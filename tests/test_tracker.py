@@ -1,0 +1,248 @@
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from anatomy_helpers import (
+    MemoryBudgetExceeded,
+    StepTracker,
+    get_batch,
+    make_model,
+    make_optimizer,
+    track_steps,
+    train_step,
+)
+from anatomy_helpers.tracker import CATEGORIES
+
+from .conftest import SMALL, storage_bytes
+
+
+def phase_end(trace, step, phase):
+    return next(ph for ph in trace.phases() if ph.step == step and ph.phase == phase).at_end
+
+
+@pytest.fixture
+def three_steps(small):
+    model, opt = small
+    return model, opt, track_steps(model, opt, steps=3, batch_size=4)
+
+
+def test_parameter_bytes_are_constant_and_exact(three_steps):
+    model, _, trace = three_steps
+    expected = storage_bytes([*model.parameters(), *model.buffers()])
+    assert trace.baseline["parameters"] == expected
+    assert np.all(trace.timeline.category("parameters") == expected)
+
+
+def test_gradients_appear_in_backward_and_equal_parameter_bytes(three_steps):
+    model, _, trace = three_steps
+    grads = trace.timeline.category("gradients")
+    first_backward = np.flatnonzero(trace.timeline.phase == 2)[0]
+    assert np.all(grads[:first_backward] == 0)
+    param_bytes = storage_bytes(model.parameters())
+    for step in (1, 2, 3):
+        assert phase_end(trace, step, "backward")["gradients"] == param_bytes
+        assert phase_end(trace, step, "optimizer")["gradients"] == 0  # zero_grad(set_to_none=True)
+
+
+def test_adam_state_is_twice_parameters_after_step_one(three_steps):
+    model, opt, trace = three_steps
+    params = list(model.parameters())
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    expected = storage_bytes(state)
+    # exp_avg and exp_avg_sq are 2x parameter bytes; each parameter also has a 4-byte `step` scalar.
+    assert expected == 2 * storage_bytes(params) + 4 * len(params)
+    assert phase_end(trace, 1, "backward")["optimizer_state"] == 0
+    assert phase_end(trace, 1, "optimizer")["optimizer_state"] == expected
+    assert trace.peak(step=1, phase="backward").breakdown["optimizer_state"] == 0
+
+
+def test_activations_return_to_zero_after_backward(three_steps):
+    _, _, trace = three_steps
+    for step in (1, 2, 3):
+        assert phase_end(trace, step, "forward")["activations"] > 0
+        assert phase_end(trace, step, "backward")["activations"] == 0
+
+
+def test_later_steps_peak_higher_by_the_optimizer_state(three_steps):
+    _, _, trace = three_steps
+    p1, p2, p3 = (trace.peak(step=s, phase="backward") for s in (1, 2, 3))
+    assert p2.bytes == p3.bytes
+    assert p2.bytes - p1.bytes == p2.breakdown["optimizer_state"]
+
+
+def test_inputs_are_the_batch(three_steps):
+    _, _, trace = three_steps
+    x, y = get_batch(4, SMALL["seq_len"])
+    assert phase_end(trace, 1, "forward")["inputs"] == x.nbytes + y.nbytes
+
+
+def test_phases_come_in_order(three_steps):
+    _, _, trace = three_steps
+    seen = [(ph.step, ph.phase) for ph in trace.phases() if ph.phase != "idle"]
+    assert seen == [(s, p) for s in (1, 2, 3) for p in ("forward", "backward", "optimizer")]
+    assert trace.training_steps() == [1, 2, 3]
+    assert set(trace.step_times_s()) == {1, 2, 3}
+
+
+def test_cpu_numbers_are_deterministic():
+    runs = []
+    for _ in range(2):
+        model = make_model(device="cpu", **SMALL)
+        runs.append(track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=4))
+    a, b = runs
+    assert np.array_equal(a.timeline.bytes, b.timeline.bytes)
+    assert a.peak() == b.peak()
+
+
+def test_views_are_counted_once(small):
+    model, opt = small
+    with StepTracker(model, opt) as tr:
+        base = torch.ones(1000)  # 4000 bytes
+        views = [base[:10], base.view(10, 100), base.t() if base.dim() == 2 else base[::2]]
+        assert len(views) == 3
+        del base, views
+    trace = tr.trace
+    assert trace.timeline.total.max() - trace.baseline["parameters"] == 4000
+
+
+def test_saved_tensors_are_recorded_with_module(small):
+    model, opt = small
+    x, y = get_batch(2, SMALL["seq_len"])
+    with StepTracker(model, opt) as tr:
+        loss = model(x, y)[1]
+        del loss
+    modules = {s["module"] for s in tr.trace.saved}
+    assert {"blocks.0.attn", "blocks.0.mlp.gelu", "blocks.1.ln1"} <= modules
+    assert all(s["bytes"] > 0 for s in tr.trace.saved)
+
+
+def test_no_grad_forward_saves_nothing(small):
+    model, opt = small
+    x, y = get_batch(2, SMALL["seq_len"])
+    with StepTracker(model, opt) as tr, torch.no_grad():
+        model(x, y)
+    assert tr.trace.saved == []
+    assert tr.trace.timeline.category("activations").max() == 0
+
+
+def _no_hooks_left(model, opt):
+    assert _get_current_dispatch_mode() is None
+    assert not hasattr(model, "_anatomy_tracker")
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert "zero_grad" not in vars(opt)
+    assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+
+
+def test_hooks_are_removed_on_exit_and_on_error(small):
+    model, opt = small
+    track_steps(model, opt, steps=1, batch_size=2)
+    _no_hooks_left(model, opt)
+    with pytest.raises(ZeroDivisionError):
+        with StepTracker(model, opt):
+            model(*get_batch(2, SMALL["seq_len"]))[1].backward()
+            1 / 0
+    _no_hooks_left(model, opt)
+    # saved-tensor hooks are gone too: a forward outside the tracker is not recorded
+    with StepTracker(model, opt) as tr:
+        pass
+    model(*get_batch(2, SMALL["seq_len"]))
+    assert tr.trace.saved == []
+
+
+def test_tracking_the_same_model_twice_works(small):
+    model, opt = small
+    first = track_steps(model, opt, steps=2, batch_size=2)
+    second = track_steps(model, opt, steps=2, batch_size=2)
+    # the second run starts with Adam state already there, so its first step peaks like a later step
+    assert second.baseline["optimizer_state"] > 0
+    assert second.peak(step=1).bytes == first.peak(step=2).bytes
+
+
+def test_misuse_raises_clear_errors(small):
+    model, opt = small
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        StepTracker(model, None)
+    other = make_model(device="cpu", **SMALL)
+    with pytest.raises(ValueError, match="none of the model's parameters"):
+        StepTracker(model, make_optimizer(other))
+    with StepTracker(model, opt):
+        with pytest.raises(RuntimeError, match="already being tracked"):
+            with StepTracker(model, opt):
+                pass
+    with pytest.raises(RuntimeError, match="when the `with StepTracker"):
+        StepTracker(model, opt).trace
+    with pytest.raises(ValueError, match="budget_bytes"):
+        StepTracker(model, opt, budget_bytes=0)
+
+
+def test_budget_raises_with_step_phase_module_and_breakdown(small):
+    model, opt = small
+    measured = track_steps(model, opt, steps=2, batch_size=4)
+    budget = (measured.peak(step=1).bytes + measured.peak(step=2).bytes) // 2
+    fresh = make_model(device="cpu", **SMALL)
+    fresh_opt = make_optimizer(fresh, "adamw")
+    with pytest.raises(MemoryBudgetExceeded) as err:
+        track_steps(fresh, fresh_opt, steps=3, batch_size=4, budget_bytes=budget)
+    e = err.value
+    assert e.step == 2 and e.phase in ("forward", "backward") and e.module != "-"
+    assert set(e.breakdown) == set(CATEGORIES) and e.breakdown["optimizer_state"] > 0
+    assert "step 2" in str(e) and "MiB" in str(e)
+    assert e.trace.training_steps() == [1, 2]
+    _no_hooks_left(fresh, fresh_opt)
+
+
+def _profiled_peak(model, opt, batch, tmp_path):
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # export_memory_timeline is deprecated (FutureWarning)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+            train_step(model, opt, *batch)
+        p.export_memory_timeline(str(tmp_path / "timeline.json"), device="cpu")
+    _, sizes = json.loads((tmp_path / "timeline.json").read_text())
+    return max(sum(s) for s in sizes)
+
+
+def test_peak_agrees_with_torch_profiler_and_memtracker(tmp_path):
+    """Same warm step of the default model, measured three ways."""
+    model = make_model(device="cpu")
+    opt = make_optimizer(model, "adamw")
+    train_step(model, opt, *get_batch(8, 128, step=0))  # warm-up: Adam state exists, as in later steps
+    batch = get_batch(8, 128, step=1)
+    with StepTracker(model, opt) as tr:
+        train_step(model, opt, *batch)
+    ours = tr.trace.peak().bytes
+
+    profiled = _profiled_peak(model, opt, batch, tmp_path)
+    assert abs(ours - profiled) / profiled <= 0.005, (ours, profiled)
+
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    mt = mem_tracker.MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        train_step(model, opt, *batch)
+    theirs = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert abs(ours - theirs) / theirs <= 0.005, (ours, theirs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_total_matches_memory_allocated():
+    model = make_model(device="cuda")
+    opt = make_optimizer(model, "adamw")
+    train_step(model, opt, *get_batch(8, 128, step=0, device="cuda"))  # warm-up: cuBLAS workspace, Adam state
+    torch.cuda.synchronize()
+    with StepTracker(model, opt) as tr:
+        for i in range(2):
+            train_step(model, opt, *get_batch(8, 128, step=i + 1, device="cuda"))
+    trace = tr.trace
+    rounded = trace.replay_totals(round_to=512)
+    before = trace.meta["cuda_allocated_at_entry"] - trace.replay_baseline(round_to=512)
+    allocs = trace.meta["alloc_deltas"] > 0
+    # at each allocation the allocator's count includes it; frees are reported just before they happen
+    diff = np.abs(trace.timeline.cuda_allocated[allocs] - before - rounded[allocs])
+    assert diff.max() <= 512, diff.max()
