@@ -51,8 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = pick_device(args.device)
         config = dict(
-            n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq_len,
-            attn_impl=args.attn, dtype=args.dtype, dropout=args.dropout,
+            n_layer=args.layers,
+            d_model=args.d_model,
+            n_head=args.heads,
+            seq_len=args.seq_len,
+            attn_impl=args.attn,
+            dtype=args.dtype,
+            dropout=args.dropout,
         )
         ModelConfig(**config)  # check the combination before building anything
     except (ValueError, RuntimeError) as e:

@@ -47,15 +47,11 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if self.attn_impl not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"ModelConfig.attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}"
-            )
+            raise ValueError(f"ModelConfig.attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(
-                f"ModelConfig.checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}"
-            )
+            raise ValueError(f"ModelConfig.checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -101,7 +101,9 @@ def moment_index(trace: Trace, step: int, phase: str = "forward") -> int:
     raise ValueError(f"step {step} has no {phase!r} phase; phases recorded: {PHASES}")
 
 
-def plot_module_bars(trace: Trace, index: int | None = None, *, step: int = 1, phase: str = "forward", depth: int = 2, ax=None):
+def plot_module_bars(
+    trace: Trace, index: int | None = None, *, step: int = 1, phase: str = "forward", depth: int = 2, ax=None
+):
     """Horizontal stacked bars: live bytes by category for each module at one moment.
 
     The moment is sample ``index``, or by default the end of ``phase`` in ``step``.

@@ -47,6 +47,26 @@ def _round_up(nbytes: np.ndarray, multiple: int) -> np.ndarray:
     return -(-nbytes // multiple) * multiple
 
 
+def storage_bytes(tensors, device: torch.device | str | None = None) -> int:
+    """Bytes held by the distinct storages behind ``tensors`` (views counted once).
+
+    With ``device``, only storages on that device count. This is what the tracker's
+    per-category totals should equal, computed straight from the tensors.
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if device is not None and t.device != torch.device(device):
+            continue
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor in ``optimizer.state`` (exp_avg, exp_avg_sq, step, momentum_buffer ...)."""
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
 class MemoryBudgetExceeded(RuntimeError):
     """Live tracked bytes went over the tracker's ``budget_bytes``: a simulated out-of-memory."""
 
@@ -256,10 +276,8 @@ class StepTracker:
         return aid
 
     def _mark_optimizer_state(self) -> None:
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    self._mark(v, OPTIMIZER_STATE, self._code(OPT_STEP))
+        for t in optimizer_state_tensors(self.optimizer):
+            self._mark(t, OPTIMIZER_STATE, self._code(OPT_STEP))
 
     def live_breakdown(self) -> dict[str, int]:
         """Bytes alive right now per category, as the categories are known at this moment."""
@@ -558,7 +576,12 @@ class Trace:
         for s, e in zip(starts.tolist(), ends.tolist()):
             i = s + int(np.argmax(tl.total[s : e + 1]))
             peak = Peak(
-                int(tl.total[i]), i, int(tl.step[i]), PHASES[tl.phase[i]], tl.module_names[tl.module[i]], self._breakdown(i)
+                int(tl.total[i]),
+                i,
+                int(tl.step[i]),
+                PHASES[tl.phase[i]],
+                tl.module_names[tl.module[i]],
+                self._breakdown(i),
             )
             dominant = max(peak.breakdown, key=peak.breakdown.get)
             out.append(PhaseSummary(peak.step, peak.phase, s, e, peak, self._breakdown(e), dominant))

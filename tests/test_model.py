@@ -17,9 +17,21 @@ def test_default_vocab_matches_course_text():
 
 def test_submodule_names_are_stable():
     names = dict(GPT(ModelConfig(n_layer=2)).named_modules())
-    for name in ["tok_emb", "pos_emb", "blocks.0.ln1", "blocks.0.attn", "blocks.0.attn.qkv", "blocks.0.attn.proj",
-                 "blocks.1.ln2", "blocks.1.mlp", "blocks.1.mlp.fc", "blocks.1.mlp.gelu", "blocks.1.mlp.proj",
-                 "ln_f", "lm_head"]:
+    for name in [
+        "tok_emb",
+        "pos_emb",
+        "blocks.0.ln1",
+        "blocks.0.attn",
+        "blocks.0.attn.qkv",
+        "blocks.0.attn.proj",
+        "blocks.1.ln2",
+        "blocks.1.mlp",
+        "blocks.1.mlp.fc",
+        "blocks.1.mlp.gelu",
+        "blocks.1.mlp.proj",
+        "ln_f",
+        "lm_head",
+    ]:
         assert name in names, name
 
 

@@ -1,0 +1,84 @@
+"""Slider panels and progress bars for the notebooks.
+
+Pattern used in every notebook (see REFERENCES.md on nbval): first call the plain
+function with its defaults in its own cell (stable output nbval can compare),
+then build the panel with :func:`slider_panel` in a cell marked NBVAL_IGNORE_OUTPUT.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Iterator
+
+import ipywidgets as w
+
+from .plots import plot_timeline
+from .tracker import MiB
+from .train import make_model, make_optimizer, track_steps
+
+
+def slider_panel(fn: Callable, **controls) -> w.interactive:
+    """``ipywidgets.interactive(fn, ...)`` that re-runs only when a slider is released.
+
+    Each control is a widget, or a tuple ``(min, max, step)`` for an integer slider,
+    or a list of choices for a dropdown. Returns the widget (display it as the cell's value).
+    """
+    built = {}
+    for name, spec in controls.items():
+        label = name.replace("_", " ")
+        if isinstance(spec, w.Widget):
+            built[name] = spec
+        elif isinstance(spec, tuple) and len(spec) == 3:
+            built[name] = w.IntSlider(
+                min=spec[0], max=spec[1], step=spec[2], description=label, continuous_update=False
+            )
+        elif isinstance(spec, list):
+            built[name] = w.Dropdown(options=spec, description=label)
+        else:
+            raise ValueError(f"control {name!r}: expected a widget, a (min, max, step) tuple or a list, got {spec!r}")
+    panel = w.interactive(fn, **built)
+    # Start each control at the function's default, so the panel opens where the plain call left off.
+    defaults = fn.__defaults__ or ()
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    for name, value in zip(names[len(names) - len(defaults) :], defaults):
+        if name in built:
+            built[name].value = value
+    return panel
+
+
+def progress(iterable: Iterable, total: int | None = None, desc: str = "") -> Iterator:
+    """Yield from ``iterable`` with a progress bar (a widget in Jupyter, a line on stderr elsewhere)."""
+    items = list(iterable) if total is None else iterable
+    total = len(items) if total is None else total
+    in_notebook = "ipykernel" in sys.modules
+    bar = None
+    if in_notebook:
+        from IPython.display import display
+
+        bar = w.IntProgress(min=0, max=total, description=desc)
+        display(bar)
+    for i, item in enumerate(items, 1):
+        yield item
+        if bar is not None:
+            bar.value = i
+        else:
+            print(f"\r{desc} {i}/{total}", end="" if i < total else "\n", file=sys.stderr, flush=True)
+    if bar is not None:
+        bar.bar_style = "success"
+
+
+def track_and_plot(
+    batch_size: int = 8, seq_len: int = 128, n_layer: int = 4, optimizer: str = "adamw", steps: int = 2, device=None
+):
+    """Track ``steps`` steps of a fresh default-width model and plot them; prints the peak.
+
+    The function behind notebook 00's slider panel. Returns the timeline Figure.
+    """
+    model = make_model(device=device, seq_len=seq_len, n_layer=n_layer)
+    trace = track_steps(model, make_optimizer(model, optimizer), steps=steps, batch_size=batch_size)
+    pk = trace.peak()
+    print(
+        f"batch {batch_size} x seq {seq_len}, {n_layer} layers, {optimizer}: peak {pk.bytes / MiB:.2f} MiB "
+        f"(activations {pk.breakdown['activations'] / MiB:.2f} MiB) at step {pk.step}, {pk.phase}, in {pk.module}"
+    )
+    return plot_timeline(trace, title=f"batch {batch_size}, seq_len {seq_len}, {n_layer} layers, {optimizer}")
