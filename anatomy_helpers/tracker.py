@@ -615,6 +615,27 @@ class Trace:
             row[CATEGORIES[self.alloc_category[aid]]] += int(alive[aid])
         return out
 
+    def allocation_record(self) -> dict[str, np.ndarray]:
+        """Every allocation and free in order, for replaying (e.g. through an allocator model).
+
+        Columns (numpy arrays of one row per memory event): ``sample`` (timeline index,
+        -1 for storages already alive when tracking began), ``time_s``, ``alloc_id``,
+        ``bytes`` (positive for an allocation, negative for a free), ``category``
+        (index into CATEGORIES), ``step`` and ``phase`` (index into PHASES).
+        """
+        base_ids, base_bytes = self.meta["baseline_deltas"]
+        tl = self.timeline
+        n0 = len(base_ids)
+        return {
+            "sample": np.r_[np.full(n0, -1), np.arange(len(tl))],
+            "time_s": np.r_[np.zeros(n0), tl.time_s],
+            "alloc_id": np.r_[base_ids, self.alloc_events],
+            "bytes": np.r_[base_bytes, self.meta["alloc_deltas"]],
+            "category": self.alloc_category[np.r_[base_ids, self.alloc_events]],
+            "step": np.r_[np.zeros(n0, dtype=np.int64), tl.step],
+            "phase": np.r_[np.zeros(n0, dtype=np.int64), tl.phase],
+        }
+
     def replay_baseline(self, round_to: int = 1) -> int:
         """Bytes alive when tracking began, each allocation rounded up to ``round_to`` bytes."""
         return int(_round_up(self.meta["baseline_deltas"][1], round_to).sum())
