@@ -1,10 +1,12 @@
 """Plots of a Trace. One colour per memory category in every notebook (Okabe-Ito, colour-blind safe).
 
 Figures are built with ``matplotlib.figure.Figure`` rather than pyplot, so no
-global figure is left open; Jupyter shows a returned Figure as the cell's value.
+global figure is left open; a returned figure shows itself as the cell's value.
 """
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -29,10 +31,19 @@ def pick_unit(nbytes: float) -> tuple[str, float]:
     return ("GiB", 2**30) if nbytes >= 2 * 2**30 else ("MiB", 2**20)
 
 
+class CourseFigure(Figure):
+    """A Figure that shows itself in Jupyter without pyplot (so no global figure stays open)."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100)
+        return buf.getvalue()
+
+
 def _new_axes(ax, figsize):
     if ax is not None:
         return ax.figure, ax
-    fig = Figure(figsize=figsize, layout="constrained")
+    fig = CourseFigure(figsize=figsize, layout="constrained")
     return fig, fig.add_subplot()
 
 
@@ -128,6 +139,7 @@ def plot_module_bars(
         left += vals
     ax.set_yticks(ys, names)
     ax.invert_yaxis()
+    ax.margins(x=0.08)
     ax.set_xlabel(f"live bytes allocated by the module ({unit})")
     ax.set_title(f"Memory by module at the {when}")
     ax.legend(loc="lower right", fontsize=8)

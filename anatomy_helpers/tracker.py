@@ -90,7 +90,7 @@ class _OpWatcher(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracker._after_op(out)
+        self.tracker._after_op(func, out)
         return out
 
 
@@ -154,6 +154,7 @@ class StepTracker:
         self._live: dict[int, int] = {}  # storage address (_cdata) -> allocation id
         self._refs: dict[int, weakref.ref] = {}  # allocation id -> weak ref that reports the free
         self._live_bytes = 0
+        self._aliasing: dict = {}  # op -> whether its outputs alias its inputs
         self._saved: list[tuple[int, int, tuple, torch.dtype, int, int]] = []
         self._start_ns = time.perf_counter_ns()
         self._cuda_at_entry = torch.cuda.memory_allocated(self.device) if self._cuda else 0
@@ -224,14 +225,17 @@ class StepTracker:
             self._modules.append(name)
         return code
 
-    def _aid(self, t: torch.Tensor, module: int | None = None) -> int | None:
-        """Allocation id of t's storage, registering it if new; None if not on the tracked device."""
+    def _aid(self, t: torch.Tensor, module: int | None = None, new: bool = True) -> int | None:
+        """Allocation id of t's storage, registering it if unknown and ``new``.
+
+        None if the storage is not on the tracked device (or unknown and not ``new``).
+        """
         if t.is_cuda is not self._cuda or t.is_meta or t.layout is not torch.strided:
             return None
         st = t.untyped_storage()
         aid = self._live.get(st._cdata)
         if aid is None:
-            return self._new(st, self._module if module is None else module)
+            return self._new(st, self._module if module is None else module) if new else None
         nbytes = st.nbytes()
         if nbytes != self._a_bytes[aid]:  # resized in place (out= ops, resize_)
             self._record(aid, nbytes - self._a_bytes[aid], self._module)
@@ -363,16 +367,21 @@ class StepTracker:
         self.optimizer.zero_grad = zero_grad
 
     # ---- callbacks from torch -------------------------------------------------------
-    def _after_op(self, out) -> None:
+    def _after_op(self, func, out) -> None:
         if self._phase != BACKWARD and _graph_task_id() != -1:
             self._set_phase(BACKWARD)
             self._module = self._code(ROOT)
+        # Views, in-place and out= ops return memory that already existed: a storage first seen
+        # there was allocated before tracking began (a slice of the dataset, say), not by this op.
+        aliases = self._aliasing.get(func)
+        if aliases is None:
+            aliases = self._aliasing[func] = any(r.alias_info is not None for r in func._schema.returns)
         if isinstance(out, torch.Tensor):
-            self._aid(out)
+            self._aid(out, new=not aliases)
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
-                    self._aid(o)
+                    self._aid(o, new=not aliases)
 
     def _pack(self, t: torch.Tensor):
         aid = self._mark(t, ACTIVATIONS) if self._active else None

@@ -7,6 +7,7 @@ then build the panel with :func:`slider_panel` in a cell marked NBVAL_IGNORE_OUT
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
@@ -21,29 +22,33 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     """``ipywidgets.interactive(fn, ...)`` that re-runs only when a slider is released.
 
     Each control is a widget, or a tuple ``(min, max, step)`` for an integer slider,
-    or a list of choices for a dropdown. Returns the widget (display it as the cell's value).
+    or a list of choices for a dropdown. Controls start at ``fn``'s defaults, so the
+    panel opens where the plain call left off; parameters without a control keep
+    their defaults. Returns the widget (display it as the cell's value).
     """
+    params = inspect.signature(fn).parameters
     built = {}
     for name, spec in controls.items():
+        if name not in params:
+            raise ValueError(f"control {name!r} is not a parameter of {fn.__name__}{inspect.signature(fn)}")
+        default = params[name].default
         label = name.replace("_", " ")
         if isinstance(spec, w.Widget):
             built[name] = spec
         elif isinstance(spec, tuple) and len(spec) == 3:
+            lo, hi, step = spec
+            value = default if isinstance(default, int) and lo <= default <= hi else lo
             built[name] = w.IntSlider(
-                min=spec[0], max=spec[1], step=spec[2], description=label, continuous_update=False
+                value=value, min=lo, max=hi, step=step, description=label, continuous_update=False
             )
         elif isinstance(spec, list):
-            built[name] = w.Dropdown(options=spec, description=label)
+            built[name] = w.Dropdown(options=spec, value=default if default in spec else spec[0], description=label)
         else:
             raise ValueError(f"control {name!r}: expected a widget, a (min, max, step) tuple or a list, got {spec!r}")
-    panel = w.interactive(fn, **built)
-    # Start each control at the function's default, so the panel opens where the plain call left off.
-    defaults = fn.__defaults__ or ()
-    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
-    for name, value in zip(names[len(names) - len(defaults) :], defaults):
-        if name in built:
-            built[name].value = value
-    return panel
+    for name, p in params.items():
+        if name not in built and p.default is not inspect.Parameter.empty:
+            built[name] = w.fixed(p.default)
+    return w.interactive(fn, **built)
 
 
 def progress(iterable: Iterable, total: int | None = None, desc: str = "") -> Iterator:

@@ -246,3 +246,14 @@ def test_cuda_total_matches_memory_allocated():
     # at each allocation the allocator's count includes it; frees are reported just before they happen
     diff = np.abs(trace.timeline.cuda_allocated[allocs] - before - rounded[allocs])
     assert diff.max() <= 512, diff.max()
+
+
+def test_slices_of_tensors_made_before_tracking_are_not_allocations(small):
+    model, opt = small
+    dataset = torch.ones(10_000)
+    with StepTracker(model, opt) as tr:
+        window = dataset[100:110]  # a view: no new memory
+        copy = window.clone()  # 10 floats of new memory
+        del window, copy
+    trace = tr.trace
+    assert trace.timeline.total.max() - trace.baseline["parameters"] == 40
