@@ -1,6 +1,7 @@
 """Helpers for the Training Step Anatomy course: a toy GPT, its data, a memory tracker and plots."""
 
 from .data import CharTokenizer, get_batch, get_tokenizer, load_text, seed_everything
+from .exercises import check_prediction
 from .model import GPT, ModelConfig
 from .plots import CATEGORY_COLORS, plot_module_bars, plot_timeline
 from .tracker import (
@@ -26,6 +27,7 @@ __all__ = [
     "ModelConfig",
     "StepTracker",
     "Trace",
+    "check_prediction",
     "get_batch",
     "get_tokenizer",
     "load_text",
