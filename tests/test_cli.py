@@ -1,0 +1,52 @@
+import pytest
+
+from anatomy_helpers.cli import main
+
+TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--device", "cpu"]
+
+
+def test_cli_prints_table_and_writes_png(tmp_path, capsys):
+    out = tmp_path / "t.png"
+    assert main([*TINY, "--steps", "2", "--optimizer", "sgd", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "parameters" in printed.out and "activations" in printed.out
+    assert "peak:" in printed.out and "step 2" in printed.out
+    assert "step 2/2" in printed.err  # progress
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "0"], "must be positive"),
+        (["--heads", "3"], "divisible by n_head"),
+        (["--optimizer", "lion"], "invalid choice"),
+        (["--attn", "flash"], "invalid choice"),
+        (["--layers", "two"], "expected a whole number"),
+        (["--dropout", "2"], "dropout"),
+    ],
+)
+def test_bad_options_get_argparse_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_describes_the_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for flag in [
+        "--steps",
+        "--device",
+        "--layers",
+        "--d-model",
+        "--heads",
+        "--seq-len",
+        "--batch-size",
+        "--optimizer",
+        "--attn",
+        "--out",
+    ]:
+        assert flag in out
