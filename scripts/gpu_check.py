@@ -1,0 +1,82 @@
+"""One command for a CUDA machine: the CUDA-only tests, the CLI on the GPU, and every notebook executed on the GPU.
+
+    python scripts/gpu_check.py [--out DIR]
+
+Prints a pass/fail line per check and a summary; exits non-zero if any check failed. Notebooks are executed
+into DIR (not in place: the committed outputs stay the CPU ones) and are not compared with the stored outputs,
+since GPU numbers differ (the CUDA AdamW default is foreach, and the allocator rounds sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(name: str, cmd: list[str], results: list, timeout: int = 900) -> None:
+    start = time.perf_counter()
+    print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.perf_counter() - start
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
+    print("\n".join(tail), flush=True)
+    results.append((name, proc.returncode == 0, elapsed))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "gpu_check_out"), help="where executed notebooks and PNGs go")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device here: gpu_check needs a GPU (the CPU suite is scripts/test.sh)")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+    results: list = []
+    py = sys.executable
+    run("CUDA tests", [py, "-m", "pytest", "-q", "-rs", "tests", "-k", "cuda"], results)
+    run(
+        "CLI on cuda",
+        [py, "-m", "anatomy_helpers", "--device", "cuda", "--steps", "3", "--out", str(out / "timeline_cuda.png")],
+        results,
+    )
+    env_note = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env_note == "":
+        print("warning: CUDA_VISIBLE_DEVICES is empty; notebooks would run on CPU")
+    for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        run(
+            f"notebook {nb.stem}",
+            [
+                py,
+                "-m",
+                "jupyter",
+                "nbconvert",
+                "--to",
+                "notebook",
+                "--execute",
+                "--ExecutePreprocessor.timeout=600",
+                "--output-dir",
+                str(out),
+                str(nb),
+            ],
+            results,
+        )
+    print("\n=== summary")
+    for name, ok, elapsed in results:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}  ({elapsed:.1f} s)")
+    failed = sum(not ok for _, ok, _ in results)
+    print(f"{len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
