@@ -157,7 +157,8 @@ class StepTracker:
         self._aliasing: dict = {}  # op -> whether its outputs alias its inputs
         self._saved: list[tuple[int, int, tuple, torch.dtype, int, int]] = []
         self._start_ns = time.perf_counter_ns()
-        self._cuda_at_entry = torch.cuda.memory_allocated(self.device) if self._cuda else 0
+        self._cuda_marks: list[tuple[int, int, int, int]] = []  # (sample, allocated, reserved, requested)
+        self._cuda_at_entry = self._cuda_counters() if self._cuda else (0, 0, 0)
         self._active = True
         try:
             self._register_existing()
@@ -293,6 +294,17 @@ class StepTracker:
     # ---- phases and modules -------------------------------------------------------
     def _mark_phase(self) -> None:
         self._phase_marks.append((len(self._events), time.perf_counter_ns(), self._step, self._phase))
+        if self._cuda:
+            self._cuda_marks.append((len(self._events), *self._cuda_counters()))
+
+    def _cuda_counters(self) -> tuple[int, int, int]:
+        """(memory_allocated, memory_reserved, requested bytes): the allocator's own counts."""
+        stats = torch.cuda.memory_stats(self.device)
+        return (
+            stats.get("allocated_bytes.all.current", 0),
+            stats.get("reserved_bytes.all.current", 0),
+            stats.get("requested_bytes.all.current", 0),
+        )
 
     def _set_phase(self, phase: int) -> None:
         if phase == self._phase:
@@ -517,7 +529,10 @@ class Trace:
         meta = {
             "device": str(tr.device),
             "duration_s": (tr._end_ns - tr._start_ns) / 1e9,
-            "cuda_allocated_at_entry": tr._cuda_at_entry,
+            # CUDA only: allocator counters when tracking began and at every phase change
+            # (rows: sample index the change happened before, allocated, reserved, requested bytes).
+            "cuda_at_entry": tr._cuda_at_entry,
+            "cuda_at_phase_marks": np.array([(i - n0, a, r, q) for i, a, r, q in tr._cuda_marks], dtype=np.int64),
             "alloc_bytes_final": np.array(tr._a_bytes, dtype=np.int64),
             "alloc_deltas": ev[:, 2].copy(),
             "baseline_deltas": baseline_deltas,
