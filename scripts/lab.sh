@@ -12,4 +12,6 @@ fi
 python -c "import torch" 2>/dev/null || pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 pip install -q -r requirements.txt
 pip install -q --no-deps -e .
-exec jupyter lab notebooks/ "$@"
+extra=()
+[ "$(id -u)" = 0 ] && extra+=(--allow-root)  # containers and CI run as root
+exec jupyter lab notebooks/ "${extra[@]}" "$@"
