@@ -30,6 +30,11 @@ class Verdict:
             + ("Well reasoned." if self.ok else "Look again at what the measurement counts.")
         )
 
+    def __repr__(self) -> str:
+        # Shown when the verdict is a cell's last value: must not give the answer away.
+        state = "no prediction yet" if self.predicted is None else ("right" if self.ok else "off")
+        return f"<Verdict {self.name!r}: {state}>"
+
     @property
     def tolerance_text(self) -> str:
         return f"{self.tolerance:.0%} tolerance"

@@ -25,22 +25,24 @@ def pick_device(preferred: str | None = None) -> torch.device:
 
 
 def make_optimizer(
-    model: nn.Module, name: str = "adamw", lr: float = 1e-3, foreach: bool | None = None
+    model: nn.Module, name: str = "adamw", lr: float = 1e-3, foreach: bool | None = None, fused: bool | None = None
 ) -> torch.optim.Optimizer:
     """The optimizer ``name`` (sgd, momentum, adam, adamw) over the model's parameters.
 
     ``foreach=None`` keeps torch's default for the device: the single-tensor loop on
-    CPU and the foreach (multi-tensor) implementation on CUDA.
+    CPU and the foreach (multi-tensor) implementation on CUDA. ``fused=True`` asks for
+    the fused kernel (one kernel updates every parameter in place).
     """
     params = model.parameters()
+    impl = {"foreach": foreach, "fused": fused}
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=foreach)
+        return torch.optim.SGD(params, lr=lr, **impl)
     if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **impl)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, foreach=foreach)
+        return torch.optim.Adam(params, lr=lr, **impl)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=foreach)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **impl)
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 
