@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .plots import CATEGORY_COLORS, CATEGORY_LABELS, CourseFigure, pick_unit
+from .plots import CATEGORY_COLORS, CATEGORY_LABELS, CourseFigure, pick_unit, stack_categories
 from .tracker import CATEGORIES, MiB, Trace, storage_bytes
 from .train import OPTIMIZERS, make_model, make_optimizer, track_steps
 
@@ -319,14 +319,7 @@ def plot_optimizer_phase(traces: Trace | dict[str, Trace], steps: tuple[int, ...
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, (label, _, s), ph, rows in zip(axes, panels, phases, samples):
         xs = np.arange(len(rows))
-        ax.stackplot(
-            xs,
-            *(rows[:, j] / scale for j in range(len(CATEGORIES))),
-            colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
-            labels=[CATEGORY_LABELS[c] for c in CATEGORIES],
-            step="post",
-            linewidth=0,
-        )
+        stack_categories(ax, xs, rows, scale)
         ax.set_xlim(0, max(len(xs) - 1, 1))
         ax.set_title(f"{label + ': ' if label else ''}step {s}", fontsize=10)
         ax.set_xlabel("memory event in the optimizer phase")

@@ -47,6 +47,18 @@ def _new_axes(ax, figsize):
     return fig, fig.add_subplot()
 
 
+def stack_categories(ax, xs, bytes_by_category: np.ndarray, scale: float) -> None:
+    """Stacked areas of ``bytes_by_category`` (n_samples x len(CATEGORIES), bytes) divided by ``scale``."""
+    ax.stackplot(
+        xs,
+        *(bytes_by_category[:, j] / scale for j in range(len(CATEGORIES))),
+        colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
+        labels=[CATEGORY_LABELS[c] for c in CATEGORIES],
+        step="post",
+        linewidth=0,
+    )
+
+
 def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None = None, annotate_peak: bool = True):
     """Stacked bytes per category over the trace, phases shaded, steps marked, peak annotated.
 
@@ -61,14 +73,7 @@ def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None 
         raise ValueError("the trace has no samples: was anything run inside the tracker?")
     unit, scale = pick_unit(tl.total.max())
     xs = np.arange(len(tl)) if x == "event" else tl.time_s * 1e3
-    ax.stackplot(
-        xs,
-        *(tl.bytes[:, j] / scale for j in range(len(CATEGORIES))),
-        colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
-        labels=[CATEGORY_LABELS[c] for c in CATEGORIES],
-        step="post",
-        linewidth=0,
-    )
+    stack_categories(ax, xs, tl.bytes, scale)
     top = tl.total.max() / scale * 1.18
     previous_step = None
     for ph in trace.phases():
