@@ -399,7 +399,9 @@ class StepTracker:
         aid = self._mark(t, ACTIVATIONS) if self._active else None
         if aid is not None:
             self._saved.append((self._step, self._module, tuple(t.shape), t.dtype, t.nbytes, aid))
-        return t, self._module
+        # Keep a detached alias, not t itself: when a node saves its own output, holding t (whose grad_fn
+        # holds this pack) would make a reference cycle that outlives a graph nobody backpropagates.
+        return t.detach(), self._module
 
     def _unpack(self, packed):
         t, module = packed

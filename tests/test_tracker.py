@@ -267,3 +267,24 @@ def test_slices_of_tensors_made_before_tracking_are_not_allocations(small):
         del window, copy
     trace = tr.trace
     assert trace.timeline.total.max() - trace.baseline["parameters"] == 40
+
+
+def test_tracking_does_not_change_gradients(small):
+    model, opt = small
+    x, y = get_batch(2, SMALL["seq_len"])
+    model(x, y)[1].backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    with StepTracker(model, opt):
+        model(x, y)[1].backward()
+    for g, p in zip(plain, model.parameters()):
+        assert torch.equal(g, p.grad)
+
+
+def test_a_graph_never_backpropagated_is_freed(small):
+    model, opt = small
+    x, y = get_batch(2, SMALL["seq_len"])
+    with StepTracker(model, opt) as tr:
+        loss = model(x, y)[1]  # softmax saves its own output: no reference cycle may keep it alive
+        del loss
+    assert tr.trace.timeline.category("activations")[-1] == 0
