@@ -155,6 +155,7 @@ class StepTracker:
         self._refs: dict[int, weakref.ref] = {}  # allocation id -> weak ref that reports the free
         self._live_bytes = 0
         self._aliasing: dict = {}  # op -> whether its outputs alias its inputs
+        self._grad_param: dict[int, str] = {}  # allocation id of a gradient -> its parameter's name
         self._saved: list[tuple[int, int, tuple, torch.dtype, int, int]] = []
         self._start_ns = time.perf_counter_ns()
         self._cuda_marks: list[tuple[int, int, int, int]] = []  # (sample, allocated, reserved, requested)
@@ -349,12 +350,14 @@ class StepTracker:
             h.append(sub.register_forward_pre_hook(pre))
             h.append(sub.register_forward_hook(post))
 
-        def grad_landed(p):
-            self._mark(p.grad, GRADIENTS)
+        def grad_landed(p, name):
+            aid = self._mark(p.grad, GRADIENTS)
+            if aid is not None:
+                self._grad_param[aid] = name
 
-        for p in self.model.parameters():
+        for name, p in self.model.named_parameters():
             if p.requires_grad:
-                h.append(p.register_post_accumulate_grad_hook(grad_landed))
+                h.append(p.register_post_accumulate_grad_hook(lambda p, name=name: grad_landed(p, name)))
 
         def opt_pre(opt, args, kwargs):
             self._set_phase(OPTIMIZER)
@@ -538,6 +541,7 @@ class Trace:
             "alloc_bytes_final": np.array(tr._a_bytes, dtype=np.int64),
             "alloc_deltas": ev[:, 2].copy(),
             "baseline_deltas": baseline_deltas,
+            "grad_param": dict(tr._grad_param),  # gradient allocation id -> parameter name
         }
         return cls(
             timeline,
