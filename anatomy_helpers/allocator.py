@@ -223,6 +223,24 @@ class CachingAllocatorSim:
             blocks[i - 1].size += blocks.pop(i).size
 
 
+def apply_row(sim: CachingAllocatorSim, live: dict[int, int], key: int, delta: int) -> None:
+    """Apply one row of an allocation record to ``sim``; ``live`` maps allocation id -> current bytes.
+
+    A positive ``delta`` for a live id (the storage grew) is replayed as a free and a malloc of the new size.
+    """
+    old = live.get(key, 0)
+    new = old + delta  # a free names the whole size, so it brings the allocation to 0
+    if new < 0:
+        raise ValueError(f"allocation {key} frees {-delta} bytes but holds {old}")
+    if new != old:
+        if old:
+            sim.free(key)
+            del live[key]
+        if new:
+            sim.malloc(key, new)
+            live[key] = new
+
+
 def replay(record: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run a trace's allocations and frees through a fresh :class:`CachingAllocatorSim`.
 
@@ -242,17 +260,10 @@ def replay(record: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     n = len(record["bytes"])
     out = {name: np.zeros(n, dtype=np.int64) for name in ("allocated", "reserved", "segments", "segments_created")}
     for i, (key, delta) in enumerate(zip(record["alloc_id"].tolist(), record["bytes"].tolist())):
-        old = live.get(key, 0)
-        new = old + delta  # a free names the whole size, so it brings the allocation to 0
-        if new < 0:
-            raise ValueError(f"row {i}: allocation {key} frees {-delta} bytes but holds {old}")
-        if new != old:
-            if old:
-                sim.free(key)
-                del live[key]
-            if new:
-                sim.malloc(key, new)
-                live[key] = new
+        try:
+            apply_row(sim, live, key, delta)
+        except ValueError as e:
+            raise ValueError(f"row {i}: {e}") from None
         out["allocated"][i] = sim.allocated
         out["reserved"][i] = sim.reserved
         out["segments"][i] = sim.num_segments

@@ -30,7 +30,7 @@ import torch.nn as nn
 from matplotlib.patches import Patch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .allocator import CachingAllocatorSim, replay, summarize_replay
+from .allocator import CachingAllocatorSim, apply_row, replay, summarize_replay
 from .data import get_batch
 from .plots import CATEGORY_COLORS, CATEGORY_LABELS, CourseFigure, pick_unit, plot_timeline
 from .tracker import CATEGORIES, PHASES, MemoryBudgetExceeded, MiB, StepTracker, Trace, optimizer_state_tensors
@@ -83,21 +83,6 @@ def optimizer_state_births(trace: Trace, step: int = 1) -> tuple[int, int]:
 # ---- section 2: the caching allocator, simulated ------------------------------------------------
 
 
-def _apply_row(sim: CachingAllocatorSim, live: dict[int, int], key: int, delta: int) -> None:
-    """Replay one row of an allocation record exactly as :func:`anatomy_helpers.allocator.replay` does."""
-    old = live.get(key, 0)
-    new = old + delta
-    if new < 0:
-        raise ValueError(f"allocation {key} frees {-delta} bytes but holds {old}")
-    if new != old:
-        if old:
-            sim.free(key)
-            del live[key]
-        if new:
-            sim.malloc(key, new)
-            live[key] = new
-
-
 def allocator_at(record: dict[str, np.ndarray], row: int, sim: CachingAllocatorSim | None = None):
     """The simulated allocator after rows ``0..row`` of ``record`` (``Trace.allocation_record()``).
 
@@ -107,7 +92,7 @@ def allocator_at(record: dict[str, np.ndarray], row: int, sim: CachingAllocatorS
     sim = CachingAllocatorSim() if sim is None else sim
     live: dict[int, int] = {}
     for key, delta in zip(record["alloc_id"][: row + 1].tolist(), record["bytes"][: row + 1].tolist()):
-        _apply_row(sim, live, key, delta)
+        apply_row(sim, live, key, delta)
     return sim
 
 
@@ -184,7 +169,7 @@ def replay_with_limit(record: dict[str, np.ndarray], limit: int, through_step: i
     keys, deltas = record["alloc_id"].tolist(), record["bytes"].tolist()
     for i in range(rows):
         try:
-            _apply_row(sim, live, keys[i], deltas[i])
+            apply_row(sim, live, keys[i], deltas[i])
         except SimulatedOutOfMemory as err:
             return LimitReplay(
                 limit,

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -25,3 +26,18 @@ def storage_bytes(tensors) -> int:
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
+
+
+def make_record(rows):
+    """An allocation record like Trace.allocation_record() from (step, alloc_id, bytes) rows."""
+    step, alloc_id, nbytes = (np.array(c, dtype=np.int64) for c in zip(*rows))
+    n = len(rows)
+    return {
+        "sample": np.arange(n),
+        "time_s": np.zeros(n),
+        "alloc_id": alloc_id,
+        "bytes": nbytes,
+        "category": np.zeros(n, dtype=np.int64),
+        "step": step,
+        "phase": np.ones(n, dtype=np.int64),
+    }

@@ -5,7 +5,7 @@ import torch
 from anatomy_helpers import make_model, make_optimizer, track_steps
 from anatomy_helpers.allocator import CachingAllocatorSim, replay, round_size, segment_size_for, summarize_replay
 
-from .conftest import SMALL
+from .conftest import SMALL, make_record
 
 KiB, MiB = 2**10, 2**20
 
@@ -190,23 +190,8 @@ def test_bad_keys_are_refused():
 # ---- replaying a record -------------------------------------------------------------------
 
 
-def record(rows):
-    """An allocation record like Trace.allocation_record() from (step, alloc_id, bytes) rows."""
-    step, alloc_id, nbytes = (np.array(c, dtype=np.int64) for c in zip(*rows))
-    n = len(rows)
-    return {
-        "sample": np.arange(n),
-        "time_s": np.zeros(n),
-        "alloc_id": alloc_id,
-        "bytes": nbytes,
-        "category": np.zeros(n, dtype=np.int64),
-        "step": step,
-        "phase": np.ones(n, dtype=np.int64),
-    }
-
-
 def test_replay_handles_growth_and_zero_byte_storages():
-    rec = record(
+    rec = make_record(
         [
             (1, 0, 3 * MiB),  # a 20 MiB segment
             (1, 1, 0),  # a 0-byte storage: never reaches the allocator
@@ -241,13 +226,13 @@ def test_replay_handles_growth_and_zero_byte_storages():
 
 
 def test_replay_handles_a_shrink():
-    res = replay(record([(1, 0, 4 * KiB), (1, 0, -KiB), (1, 0, -3 * KiB)]))  # 4 KiB, shrunk to 3 KiB, freed
+    res = replay(make_record([(1, 0, 4 * KiB), (1, 0, -KiB), (1, 0, -3 * KiB)]))  # 4 KiB, shrunk to 3 KiB, freed
     assert res["allocated"].tolist() == [4 * KiB, 3 * KiB, 0]
 
 
 def test_replay_refuses_a_free_of_what_is_not_live():
     with pytest.raises(ValueError, match="frees 512 bytes but holds 0"):
-        replay(record([(1, 0, 512), (1, 1, -512)]))
+        replay(make_record([(1, 0, 512), (1, 1, -512)]))
 
 
 # ---- replaying a real trace -------------------------------------------------------------

@@ -35,25 +35,10 @@ from anatomy_helpers.first_step import (
 from anatomy_helpers.plots import CourseFigure
 from anatomy_helpers.tracker import CATEGORIES
 
-from .conftest import SMALL, storage_bytes
+from .conftest import SMALL, make_record, storage_bytes
 
 MiB = 2**20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def record(rows):
-    """An allocation record like Trace.allocation_record() from (step, alloc_id, bytes) rows."""
-    step, alloc_id, nbytes = (np.array(c, dtype=np.int64) for c in zip(*rows))
-    n = len(rows)
-    return {
-        "sample": np.arange(n),
-        "time_s": np.zeros(n),
-        "alloc_id": alloc_id,
-        "bytes": nbytes,
-        "category": np.zeros(n, dtype=np.int64),
-        "step": step,
-        "phase": np.ones(n, dtype=np.int64),
-    }
 
 
 # Step 1 makes and frees a 3 MiB tensor (one 20 MiB segment, then cached). Step 2 keeps a 3 MiB tensor (it
@@ -100,7 +85,7 @@ def test_limited_sim_refuses_a_non_positive_limit():
 
 
 def test_replay_with_limit_names_the_failing_row_and_step():
-    rec = record(TWO_STEPS)
+    rec = make_record(TWO_STEPS)
     failed = replay_with_limit(rec, 40 * MiB)
     assert not failed.passed and failed.rows == 3 and failed.step == 2 and failed.requested == 21 * MiB
     assert failed.cache_flushes == 1
@@ -109,7 +94,7 @@ def test_replay_with_limit_names_the_failing_row_and_step():
 
 
 def test_min_limit_to_pass_hand_computed():
-    rec = record(TWO_STEPS)
+    rec = make_record(TWO_STEPS)
     assert min_limit_to_pass(rec, through_step=1) == 20 * MiB
     assert min_limit_to_pass(rec) == 42 * MiB
 
@@ -138,7 +123,7 @@ def test_allocator_at_agrees_with_replay(small_trace):
 
 
 def test_snapshot_of_a_hand_made_replay_reads_in_memory_viz():
-    rec = record(TWO_STEPS[:3])  # one 20 MiB segment holding one 3 MiB block at the end
+    rec = make_record(TWO_STEPS[:3])  # one 20 MiB segment holding one 3 MiB block at the end
     snap = snapshot_from_replay(rec)
     (seg,) = snap["segments"]
     assert seg["total_size"] == 20 * MiB and seg["segment_type"] == "large"
@@ -428,7 +413,7 @@ def test_cuda_snapshot_is_recorded_dumped_and_rendered(tmp_path):
 
 def test_replay_of_hand_made_record_matches_plain_sim():
     # allocator_at must replay exactly like CachingAllocatorSim driven by hand.
-    rec = record(TWO_STEPS)
+    rec = make_record(TWO_STEPS)
     sim = CachingAllocatorSim()
     sim.malloc(0, 3 * MiB)
     sim.free(0)
