@@ -48,7 +48,9 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     for name, p in params.items():
         if name not in built and p.default is not inspect.Parameter.empty:
             built[name] = w.fixed(p.default)
-    return w.interactive(fn, **built)
+    # auto_display: show fn's return value (a Figure) under the controls, as `interact` does;
+    # a bare `interactive` would only show what fn prints.
+    return w.interactive(fn, {"auto_display": True}, **built)
 
 
 def progress(iterable: Iterable, total: int | None = None, desc: str = "") -> Iterator:

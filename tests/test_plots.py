@@ -51,3 +51,20 @@ def test_plots_leave_no_pyplot_figures_open(trace):
     plot_timeline(trace)
     plot_module_bars(trace)
     assert plt.get_fignums() == []
+
+
+def test_slider_panel_shows_the_returned_figure():
+    import ipywidgets as w
+
+    from anatomy_helpers.widgets import slider_panel
+
+    def fn(a: int = 2, b: str = "x", c: int = 5):
+        return f"{a}{b}{c}"
+
+    panel = slider_panel(fn, a=(1, 4, 1), b=["x", "y"])
+    assert panel.auto_display  # the return value is displayed, not only what fn prints
+    sliders = [c for c in panel.children if isinstance(c, w.IntSlider)]
+    assert sliders[0].value == 2 and not sliders[0].continuous_update
+    assert panel.result == "2x5"  # c keeps its default
+    with pytest.raises(ValueError, match="not a parameter"):
+        slider_panel(fn, d=(1, 2, 1))
