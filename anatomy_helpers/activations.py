@@ -172,19 +172,18 @@ def saved_by_op(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | Non
 
 
 def saved_rows(trace: Trace) -> list[dict]:
-    """``trace.saved`` with each storage's full size and its first saver added.
+    """``trace.saved`` with each storage's first saver marked.
 
-    Every row gets ``storage_bytes`` (the whole storage behind the saved view, as the tracker
-    counted it), ``first`` (True for the first row that saved this storage) and ``same_as``
+    Every row (which already has ``storage_bytes``, the whole storage behind the saved view)
+    gets ``first`` (True for the first row that saved this storage) and ``same_as``
     (the index of that first row). Summing ``storage_bytes`` over first rows counts every
     storage once, however many views of it autograd saved.
     """
-    sizes = trace.meta["alloc_bytes_final"]
     first: dict[int, int] = {}
     out = []
     for i, r in enumerate(trace.saved):
         j = first.setdefault(r["storage"], i)
-        out.append({**r, "storage_bytes": int(sizes[r["storage"]]), "first": j == i, "same_as": j})
+        out.append({**r, "first": j == i, "same_as": j})
     return out
 
 

@@ -525,8 +525,9 @@ class Trace:
                 "module": tr._modules[m],
                 "shape": shape,
                 "dtype": dtype,
-                "bytes": nbytes,
-                "storage": aid,
+                "bytes": nbytes,  # the saved view's own bytes
+                "storage": aid,  # allocation id: several saved views may share one storage
+                "storage_bytes": tr._a_bytes[aid],  # the whole storage, what the tracker counts
                 "category": CATEGORIES[tr._a_cat[aid]],
             }
             for s, m, shape, dtype, nbytes, aid in tr._saved
@@ -538,7 +539,6 @@ class Trace:
             # (rows: sample index the change happened before, allocated, reserved, requested bytes).
             "cuda_at_entry": tr._cuda_at_entry,
             "cuda_at_phase_marks": np.array([(i - n0, a, r, q) for i, a, r, q in tr._cuda_marks], dtype=np.int64),
-            "alloc_bytes_final": np.array(tr._a_bytes, dtype=np.int64),
             "alloc_deltas": ev[:, 2].copy(),
             "baseline_deltas": baseline_deltas,
             "grad_param": dict(tr._grad_param),  # gradient allocation id -> parameter name

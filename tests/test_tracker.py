@@ -115,9 +115,13 @@ def test_saved_tensors_are_recorded_with_module(small):
     with StepTracker(model, opt) as tr:
         loss = model(x, y)[1]
         del loss
-    modules = {s["module"] for s in tr.trace.saved}
+    saved = tr.trace.saved
+    modules = {s["module"] for s in saved}
     assert {"blocks.0.attn", "blocks.0.mlp.gelu", "blocks.1.ln1"} <= modules
-    assert all(s["bytes"] > 0 for s in tr.trace.saved)
+    assert all(0 < s["bytes"] <= s["storage_bytes"] for s in saved)
+    # counted once per storage, the saved tensors are exactly the activations at their height (end of forward)
+    distinct = {s["storage"]: s["storage_bytes"] for s in saved if s["category"] == "activations"}
+    assert sum(distinct.values()) == tr.trace.timeline.category("activations").max()
 
 
 def test_no_grad_forward_saves_nothing(small):
