@@ -6,6 +6,7 @@ No downloads: the text ships inside the package. Batches are a pure function of
 
 from __future__ import annotations
 
+import numbers
 import random
 from functools import lru_cache
 from importlib import resources
@@ -13,10 +14,21 @@ from importlib import resources
 import torch
 
 TEXT_FILE = "sonnets.txt"
+SEED_LIMIT = 2**32  # seeds and steps live in [0, 2**32), the range numpy's seed accepts
+
+
+def _check_int(where: str, name: str, value, seed_like: bool = False) -> int:
+    """``value`` as an int; a ValueError naming ``name`` unless it is a positive integer
+    (or, if ``seed_like``, an integer in [0, 2**32))."""
+    low, high, rule = (0, SEED_LIMIT, "an integer in [0, 2**32)") if seed_like else (1, None, "a positive integer")
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low or (high and value >= high):
+        raise ValueError(f"{where}: {name} must be {rule}, got {value!r}")
+    return int(value)
 
 
 def seed_everything(seed: int = 0) -> None:
     """Seed Python's and torch's random generators (and numpy's, if installed)."""
+    seed = _check_int("seed_everything", "seed", seed, seed_like=True)
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -63,6 +75,11 @@ def _token_ids() -> torch.Tensor:
     return torch.tensor(get_tokenizer().encode(load_text()), dtype=torch.long)
 
 
+def max_seq_len() -> int:
+    """The longest sequence a course batch can hold: the text's length in tokens minus one (targets are shifted)."""
+    return len(_token_ids()) - 1
+
+
 def get_batch(
     batch_size: int = 8,
     seq_len: int = 128,
@@ -76,13 +93,20 @@ def get_batch(
     Returns ``(x, y)``, both (batch_size, seq_len) int64, where ``y`` is ``x``
     shifted by one character. The same (seed, step) always gives the same batch.
     """
+    batch_size = _check_int("get_batch", "batch_size", batch_size)
+    seq_len = _check_int("get_batch", "seq_len", seq_len)
+    step = _check_int("get_batch", "step", step, seed_like=True)
+    seed = _check_int("get_batch", "seed", seed, seed_like=True)
     data = _token_ids()
-    if batch_size <= 0 or seq_len <= 0:
-        raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
-    if seq_len + 1 > len(data):
-        raise ValueError(f"seq_len={seq_len} is longer than the course text ({len(data)} characters)")
+    if seq_len > max_seq_len():
+        raise ValueError(
+            f"get_batch: seq_len={seq_len} is longer than the course text allows ({len(data)} characters, "
+            f"so at most {max_seq_len()} once targets are shifted by one)"
+        )
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=g)
+    # Starts are drawn from [0, len - seq_len - 1); at the longest seq_len that range is empty,
+    # so draw from [0, 1): the one window there is. Shorter sequences draw exactly as before.
+    starts = torch.randint(max(len(data) - seq_len - 1, 1), (batch_size,), generator=g)
     x = torch.stack([data[i : i + seq_len] for i in starts.tolist()])  # (B, T)
     y = torch.stack([data[i + 1 : i + 1 + seq_len] for i in starts.tolist()])  # (B, T)
     return x.to(device), y.to(device)
