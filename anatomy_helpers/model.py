@@ -9,12 +9,17 @@ module was running when memory was allocated.
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from .data import get_tokenizer, max_seq_len
+from .formulas import param_count
 
 ATTENTION_IMPLS = ("manual", "sdpa")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -44,8 +49,20 @@ class ModelConfig:
                 f"ModelConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head}) "
                 "so every head gets the same width"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        course_vocab, longest = get_tokenizer().vocab_size, max_seq_len()  # what course batches need
+        if self.vocab_size < course_vocab:
+            raise ValueError(
+                f"ModelConfig.vocab_size must be at least {course_vocab}: the course text needs at least "
+                f"{course_vocab} token ids, got {self.vocab_size}"
+            )
+        if self.seq_len > longest:
+            raise ValueError(
+                f"ModelConfig.seq_len must be at most {longest}: the course text is {longest + 1} characters "
+                f"long and targets are shifted by one, got {self.seq_len}"
+            )
+        dropout_is_number = isinstance(self.dropout, numbers.Real) and not isinstance(self.dropout, bool)
+        if not dropout_is_number or not 0.0 <= self.dropout < 1.0:  # NaN fails the comparison too
+            raise ValueError(f"ModelConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.attn_impl not in ATTENTION_IMPLS:
             raise ValueError(f"ModelConfig.attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}")
         if self.dtype not in DTYPES:
@@ -60,6 +77,24 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+
+def host_ram_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def check_params_fit_in_ram(cfg: ModelConfig) -> None:
+    """Raise ValueError if the parameters alone would not fit in host RAM (they are built in float32 on CPU)."""
+    ram, n = host_ram_bytes(), param_count(cfg)
+    if ram is not None and ram > 0 and n * 4 > ram:
+        raise ValueError(
+            f"{cfg} has {n:,} parameters = {n * 4 / 2**30:,.1f} GiB in float32; "
+            f"this machine has {ram / 2**30:,.1f} GiB of RAM"
+        )
 
 
 class CausalSelfAttention(nn.Module):
@@ -127,12 +162,13 @@ class GPT(nn.Module):
 
     The LM head shares its weight with the token embedding (as in GPT-2 and nanoGPT),
     so the parameter count is the textbook ``h*v + L*(12h^2 + 13h) + 2h`` plus
-    ``s*h`` for the learned position embeddings.
+    ``s*h`` for the learned position embeddings (``formulas.param_count``).
     """
 
     def __init__(self, cfg: ModelConfig | None = None):
         super().__init__()
         self.cfg = cfg = cfg or ModelConfig()
+        check_params_fit_in_ram(cfg)  # fail before allocating, not after minutes of swapping
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)

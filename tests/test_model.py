@@ -1,14 +1,33 @@
+import time
+
 import pytest
 import torch
 
 from anatomy_helpers import GPT, ModelConfig, get_batch, get_tokenizer, make_model, make_optimizer, train_step
+from anatomy_helpers import model as model_module
+from anatomy_helpers.data import max_seq_len
+from anatomy_helpers.formulas import param_count
 
 
 def test_parameter_count_matches_closed_form():
     cfg = ModelConfig(n_layer=3, d_model=96, n_head=4, seq_len=64)
     h, v, L, s = cfg.d_model, cfg.vocab_size, cfg.n_layer, cfg.seq_len
-    # REFERENCES.md: N = h*v + L*(12h^2 + 13h) + 2h for tied embeddings; we add learned positions s*h.
+    # N = h*v + L*(12h^2 + 13h) + 2h for tied embeddings (see formulas.py); we add learned positions s*h.
     assert GPT(cfg).num_params() == h * v + L * (12 * h * h + 13 * h) + 2 * h + s * h
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(n_layer=3, d_model=96, n_head=4, seq_len=64),
+        dict(n_layer=2, d_model=48, n_head=3, mlp_ratio=2, vocab_size=64, seq_len=20),
+        dict(n_layer=1, d_model=32, n_head=2, mlp_ratio=1, attn_impl="sdpa", dtype="bfloat16", checkpoint="full"),
+    ],
+)
+def test_formulas_param_count_matches_the_model(kwargs):
+    cfg = ModelConfig(**kwargs)
+    assert param_count(cfg) == GPT(cfg).num_params()
 
 
 def test_default_vocab_matches_course_text():
@@ -78,12 +97,60 @@ def test_dropout_changes_training_but_not_eval():
         (dict(attn_impl="flash"), "attn_impl"),
         (dict(dtype="float16"), "dtype"),
         (dict(dropout=1.5), "dropout"),
+        (dict(dropout=-0.1), "dropout"),
+        (dict(dropout=None), "dropout"),
+        (dict(dropout="0.1"), "dropout"),
+        (dict(dropout=True), "dropout"),
+        (dict(dropout=float("nan")), "dropout"),
+        (dict(dropout=float("inf")), "dropout"),
+        (dict(vocab_size=10), "vocab_size"),
+        (dict(seq_len=max_seq_len() + 1), "seq_len"),
+        (dict(seq_len=10**9), "seq_len"),
         (dict(checkpoint="sometimes"), "checkpoint"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
         ModelConfig(**kwargs)
+
+
+def test_config_errors_say_the_rule():
+    with pytest.raises(ValueError, match="course text needs at least 59 token ids"):
+        ModelConfig(vocab_size=58)
+    with pytest.raises(ValueError, match=f"at most {max_seq_len()}: the course text is {max_seq_len() + 1} char"):
+        ModelConfig(seq_len=max_seq_len() + 1)
+
+
+def test_edge_configs_are_accepted():
+    ModelConfig(dropout=0)  # an int is a number too
+    ModelConfig(vocab_size=64)  # padding the vocabulary, as nanoGPT does, is fine
+    ModelConfig(seq_len=max_seq_len())
+
+
+def test_too_many_parameters_fail_fast_with_the_size():
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"48,000,241,000,000 parameters = [\d,.]+ GiB in float32; this machine has"):
+        GPT(ModelConfig(d_model=1_000_000))  # about 180 TiB of weights
+    assert time.perf_counter() - start < 1.0
+
+
+def test_ram_check_runs_before_any_tensor_is_built(monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("a tensor was built before the RAM check")
+
+    monkeypatch.setattr(model_module, "host_ram_bytes", lambda: 2**20)  # a 1 MiB machine
+    monkeypatch.setattr(torch.nn, "Embedding", no_allocation)
+    with pytest.raises(ValueError, match=r"this machine has 0\.0 GiB of RAM"):
+        GPT(ModelConfig())
+
+
+def test_ram_check_is_skipped_where_the_os_does_not_say(monkeypatch):
+    def no_sysconf(name):
+        raise ValueError(f"unrecognized configuration name {name!r}")
+
+    monkeypatch.setattr(model_module.os, "sysconf", no_sysconf)
+    assert model_module.host_ram_bytes() is None
+    assert GPT(ModelConfig(n_layer=1, d_model=32, n_head=2)).num_params() > 0
 
 
 def test_too_long_input_is_refused():
