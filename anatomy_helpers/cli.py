@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+from matplotlib.backend_bases import FigureCanvasBase
 
 from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
 from .plots import plot_timeline
@@ -20,6 +22,31 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
+    return value
+
+
+def _check_out_path(out: str) -> None:
+    """Raise ValueError unless the timeline can be saved at ``out``: checked before any training."""
+    formats = FigureCanvasBase.get_supported_filetypes()  # suffix -> description, e.g. "png"
+    path = Path(out)
+    if not out or not path.name:
+        raise ValueError(f"--out needs a file name, got {out!r}")
+    if path.is_dir():
+        raise ValueError(f"--out {out!r} is a directory; give a file name such as {str(path / 'timeline.png')!r}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--out {out!r}: the directory {str(path.parent)!r} does not exist")
+    if path.suffix.lower().lstrip(".") not in formats:
+        problem = f"matplotlib cannot write {path.suffix!r} files" if path.suffix else "no suffix to pick the format"
+        raise ValueError(f"--out {out!r}: {problem}; use one of {', '.join('.' + f for f in sorted(formats))}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
     p.add_argument("--dropout", type=float, default=d.dropout, help=f"dropout probability (default: {d.dropout})")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
-    p.add_argument("--out", default="timeline.png", help="where to write the timeline PNG (default: timeline.png)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for weights and batches, in [0, 2**32) (default: 0)")
+    p.add_argument(
+        "--out", default="timeline.png", help="file for the timeline plot; .png, .svg, .pdf ... (default: timeline.png)"
+    )
     return p
 
 
@@ -49,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_out_path(args.out)  # before training, not after it
         device = pick_device(args.device)
         config = dict(
             n_layer=args.layers,
@@ -62,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         ModelConfig(**config)  # check the combination before building anything
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
-    model = make_model(device=device, seed=args.seed, **config)
+    try:
+        model = make_model(device=device, seed=args.seed, **config)
+    except ValueError as e:  # e.g. the parameters alone would not fit in this machine's RAM
+        parser.error(str(e))
     optimizer = make_optimizer(model, args.optimizer)
     print(
         f"{model.num_params():,} parameters, {args.optimizer}, batch {args.batch_size} x {args.seq_len} tokens, "

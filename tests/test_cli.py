@@ -24,6 +24,12 @@ def test_cli_prints_table_and_writes_png(tmp_path, capsys):
         (["--attn", "flash"], "invalid choice"),
         (["--layers", "two"], "expected a whole number"),
         (["--dropout", "2"], "dropout"),
+        (["--dropout", "nan"], "ModelConfig.dropout"),
+        (["--seed", "-1"], "--seed: must be in [0, 2**32)"),
+        (["--seed", str(2**32)], "--seed: must be in [0, 2**32)"),
+        (["--seed", "1.5"], "--seed: expected a whole number"),
+        (["--seq-len", "30000"], "ModelConfig.seq_len must be at most"),
+        (["--d-model", "1000000"], "GiB in float32; this machine has"),
     ],
 )
 def test_bad_options_get_argparse_errors(args, message, capsys):
@@ -31,6 +37,26 @@ def test_bad_options_get_argparse_errors(args, message, capsys):
         main([*TINY, *args])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("", "--out needs a file name"),
+        (".", "--out needs a file name"),
+        ("{tmp}", "is a directory"),
+        ("{tmp}/missing/t.png", "does not exist"),
+        ("{tmp}/t.xyz", "matplotlib cannot write '.xyz' files; use one of"),
+        ("{tmp}/timeline", "no suffix"),
+    ],
+)
+def test_bad_out_is_refused_before_training(out, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--out", out.format(tmp=tmp_path)])
+    assert e.value.code == 2
+    printed = capsys.readouterr()
+    assert message in printed.err
+    assert printed.out == "" and "step 1" not in printed.err  # nothing was trained
 
 
 def test_help_describes_the_options(capsys):
