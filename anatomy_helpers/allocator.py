@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KiB, MiB = 2**10, 2**20
+from .trace import PHASES, AllocationRecord
+from .units import MiB, round_up
+
 MIN_BLOCK = 512  # every block size is a multiple of this
 SMALL_REQUEST = 1 * MiB  # largest request served by the small pool
 SMALL_SEGMENT = 2 * MiB  # small requests are packed into segments of this size
@@ -59,7 +61,7 @@ def round_size(nbytes: int) -> int:
     """
     if nbytes < 0:
         raise ValueError(f"a request must be >= 0 bytes, got {nbytes}")
-    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+    return max(MIN_BLOCK, round_up(nbytes, MIN_BLOCK))
 
 
 def segment_size_for(rounded: int) -> int:
@@ -68,7 +70,7 @@ def segment_size_for(rounded: int) -> int:
         return SMALL_SEGMENT
     if rounded < MIN_LARGE_ALLOC:
         return LARGE_SEGMENT  # a 20 MiB segment, to be split among several 1-10 MiB tensors
-    return -(-rounded // ROUND_LARGE) * ROUND_LARGE
+    return round_up(rounded, ROUND_LARGE)
 
 
 @dataclass(eq=False)
@@ -89,6 +91,29 @@ class _Block:
     @property
     def free(self) -> bool:
         return self.key is None
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """A block of a segment (bytes): ``key`` is the allocation holding it, None while it is cached, free."""
+
+    offset: int
+    size: int
+    key: int | None
+
+    @property
+    def free(self) -> bool:
+        return self.key is None
+
+
+@dataclass(frozen=True)
+class SegmentState:
+    """A segment (one cudaMalloc) of ``size`` bytes in the ``pool`` ("small" or "large"), and its blocks."""
+
+    id: int
+    pool: str
+    size: int
+    blocks: tuple[BlockState, ...]
 
 
 class CachingAllocatorSim:
@@ -171,19 +196,10 @@ class CachingAllocatorSim:
         self.peak_allocated = self.allocated
         self.peak_reserved = self.reserved
 
-    def segments(self) -> list[dict]:
-        """Every segment, for looking at: its id, pool, size (bytes) and its blocks in address order.
-
-        Each block is ``{"offset", "size", "free", "key"}`` (bytes; ``key`` is the
-        allocation holding it, None when it is free).
-        """
+    def segments(self) -> list[SegmentState]:
+        """Every segment as it is now, for looking at: id, pool, size (bytes), blocks in address order."""
         return [
-            {
-                "id": seg.id,
-                "pool": seg.pool,
-                "size": seg.size,
-                "blocks": [{"offset": b.offset, "size": b.size, "free": b.free, "key": b.key} for b in seg.blocks],
-            }
+            SegmentState(seg.id, seg.pool, seg.size, tuple(BlockState(b.offset, b.size, b.key) for b in seg.blocks))
             for seg in self._segments
         ]
 
@@ -241,59 +257,209 @@ def apply_row(sim: CachingAllocatorSim, live: dict[int, int], key: int, delta: i
             live[key] = new
 
 
-def replay(record: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run a trace's allocations and frees through a fresh :class:`CachingAllocatorSim`.
+@dataclass
+class Replay:
+    """One value per row of the replayed record, after that row (numpy arrays; bytes and counts).
 
-    ``record`` is what ``Trace.allocation_record()`` returns. Each row's ``bytes`` is
-    positive for an allocation and negative for a free; a row that changes the size
-    of a live allocation (a storage resized in place) is replayed as a free of the
-    old block and a malloc of the new size. 0-byte storages are skipped: torch never
-    passes them to the caching allocator (they hold no memory at all).
-
-    Returns one value per row, after that row: ``allocated`` and ``reserved`` (bytes),
-    ``segments`` (held now) and ``segments_created`` (cudaMallocs so far), with
-    ``sample``, ``step`` and ``phase`` copied through. Fragmentation (bytes cached but
-    not in use) is ``reserved - allocated``.
+    ``allocated`` / ``reserved``: the simulated ``memory_allocated()`` / ``memory_reserved()``;
+    ``segments``: held now; ``segments_created``: cudaMallocs so far. ``sample``, ``step`` and ``phase``
+    are copied from the record. Fragmentation (cached but unused) is ``reserved - allocated``.
     """
+
+    allocated: np.ndarray
+    reserved: np.ndarray
+    segments: np.ndarray
+    segments_created: np.ndarray
+    sample: np.ndarray
+    step: np.ndarray
+    phase: np.ndarray
+
+
+@dataclass(frozen=True)
+class StepReplay:
+    """One step of a :class:`Replay` (bytes): step 0 holds the storages alive when tracking began."""
+
+    step: int
+    segments_created: int  # cudaMallocs during the step
+    reserved_end: int  # reserved after the step's last event
+    peak_allocated: int
+    peak_reserved: int
+    gap_at_peak: int  # reserved - allocated at the step's allocated peak: cached, unused
+
+
+def replay_rows(sim: CachingAllocatorSim, record: AllocationRecord, rows: int | None = None, on_row=None):
+    """Apply the first ``rows`` rows of ``record`` (all by default) to ``sim``; returns ``sim``.
+
+    A row's ``bytes`` are positive for an allocation and negative for a free; a positive row for a live
+    allocation (a storage resized in place) is replayed as a free and a malloc of the new size. 0-byte
+    storages are skipped: torch never passes them to the caching allocator. ``on_row(i)`` is called after
+    row ``i`` is applied.
+    """
+    live: dict[int, int] = {}  # allocation id -> its current size in bytes, as the record says
+    n = len(record) if rows is None else rows
+    for i, (key, delta) in enumerate(zip(record.alloc_id[:n].tolist(), record.bytes[:n].tolist())):
+        old = live.get(key, 0)
+        new = old + delta  # a free names the whole size, so it brings the allocation to 0
+        if new < 0:
+            raise ValueError(f"row {i}: allocation {key} frees {-delta} bytes but holds {old}")
+        if new != old:
+            if old:
+                sim.free(key)
+                del live[key]
+            if new:
+                sim.malloc(key, new)
+                live[key] = new
+        if on_row is not None:
+            on_row(i)
+    return sim
+
+
+def replay(record: AllocationRecord) -> Replay:
+    """Run a trace's allocations and frees (``Trace.allocation_record()``) through a fresh
+    :class:`CachingAllocatorSim`; the counters after every row."""
     sim = CachingAllocatorSim()
-    live: dict[int, int] = {}  # allocation id -> its current size in bytes, as the trace says
-    n = len(record["bytes"])
-    out = {name: np.zeros(n, dtype=np.int64) for name in ("allocated", "reserved", "segments", "segments_created")}
-    for i, (key, delta) in enumerate(zip(record["alloc_id"].tolist(), record["bytes"].tolist())):
-        try:
-            apply_row(sim, live, key, delta)
-        except ValueError as e:
-            raise ValueError(f"row {i}: {e}") from None
-        out["allocated"][i] = sim.allocated
-        out["reserved"][i] = sim.reserved
-        out["segments"][i] = sim.num_segments
-        out["segments_created"][i] = sim.segments_created
-    for name in ("sample", "step", "phase"):
-        out[name] = np.asarray(record[name]).copy()
-    return out
+    n = len(record)
+    cols = {name: np.zeros(n, dtype=np.int64) for name in ("allocated", "reserved", "segments", "segments_created")}
+
+    def on_row(i: int) -> None:
+        cols["allocated"][i] = sim.allocated
+        cols["reserved"][i] = sim.reserved
+        cols["segments"][i] = sim.num_segments
+        cols["segments_created"][i] = sim.segments_created
+
+    replay_rows(sim, record, on_row=on_row)
+    return Replay(**cols, sample=record.sample.copy(), step=record.step.copy(), phase=record.phase.copy())
 
 
-def summarize_replay(result: dict[str, np.ndarray]) -> list[dict]:
-    """One dict per step of a :func:`replay` result, in order (bytes and counts).
-
-    Keys: ``step``, ``segments_created`` (cudaMallocs during the step),
-    ``reserved_end`` (reserved after the step's last event), ``peak_allocated`` and
-    ``peak_reserved`` (highest values within the step). Step 0 holds the storages
-    that were alive when tracking began.
-    """
-    step, created = result["step"], result["segments_created"]
+def summarize_replay(result: Replay) -> list[StepReplay]:
+    """One :class:`StepReplay` per step of a :func:`replay` result, in order."""
+    step, created = result.step, result.segments_created
     rows = []
     for s in dict.fromkeys(step.tolist()):  # steps in order of appearance
         idx = np.flatnonzero(step == s)
         first, last = int(idx[0]), int(idx[-1])
         before = int(created[first - 1]) if first > 0 else 0
+        at = idx[int(np.argmax(result.allocated[idx]))]
         rows.append(
-            {
-                "step": int(s),
-                "segments_created": int(created[last]) - before,
-                "reserved_end": int(result["reserved"][last]),
-                "peak_allocated": int(result["allocated"][idx].max()),
-                "peak_reserved": int(result["reserved"][idx].max()),
-            }
+            StepReplay(
+                step=int(s),
+                segments_created=int(created[last]) - before,
+                reserved_end=int(result.reserved[last]),
+                peak_allocated=int(result.allocated[idx].max()),
+                peak_reserved=int(result.reserved[idx].max()),
+                gap_at_peak=int(result.reserved[at] - result.allocated[at]),
+            )
         )
     return rows
+
+
+# ---- a cap on reserved memory, as set_per_process_memory_fraction sets ------------------------------------
+
+
+class SimulatedOutOfMemory(RuntimeError):
+    """The simulated allocator could not stay under its limit, even after emptying its cache."""
+
+    def __init__(self, requested: int, segment: int, allocated: int, reserved: int, limit: int):
+        self.requested, self.segment, self.allocated, self.reserved, self.limit = (
+            requested,
+            segment,
+            allocated,
+            reserved,
+            limit,
+        )
+        # Worded like torch's own message, which names the segment it tried to cudaMalloc (e.g. 20 MiB for
+        # a 1-10 MiB tensor), not the tensor's size.
+        super().__init__(
+            f"(simulated) CUDA out of memory. Tried to allocate {segment / MiB:.2f} MiB (a new segment for a "
+            f"{requested / MiB:.2f} MiB tensor). The process is limited to {limit / MiB:.2f} MiB. Of the allocated "
+            f"memory {allocated / MiB:.2f} MiB is allocated by PyTorch, and {(reserved - allocated) / MiB:.2f} MiB "
+            "is reserved by PyTorch but unallocated."
+        )
+
+
+class LimitedAllocatorSim(CachingAllocatorSim):
+    """The caching allocator with a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets.
+
+    When a new segment would take ``reserved`` over ``limit``, the allocator first gives every entirely
+    free segment back (``empty_cache``, what c10 calls ``release_cached_blocks``) and tries again; if it
+    still does not fit, it raises :class:`SimulatedOutOfMemory`. ``cache_flushes`` counts the retries.
+    """
+
+    def __init__(self, limit: int):
+        super().__init__()
+        if limit <= 0:
+            raise ValueError(f"limit must be positive, got {limit}")
+        self.limit = limit
+        self.cache_flushes = 0
+        self._requested = 0
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        self._requested = nbytes
+        super().malloc(key, nbytes)
+
+    def _new_segment(self, pool: str, size: int):
+        if self.reserved + size > self.limit:
+            self.empty_cache()
+            self.cache_flushes += 1
+            if self.reserved + size > self.limit:
+                raise SimulatedOutOfMemory(self._requested, size, self.allocated, self.reserved, self.limit)
+        return super()._new_segment(pool, size)
+
+
+@dataclass
+class LimitReplay:
+    """What happened when a record was replayed under a reserved-bytes limit (bytes)."""
+
+    limit: int
+    passed: bool
+    rows: int  # rows replayed (all of them when passed)
+    step: int | None  # where it failed (None when it passed)
+    phase: str | None
+    requested: int | None  # the request that did not fit
+    allocated: int  # simulated allocated / reserved at the end (or at the failure)
+    reserved: int
+    cache_flushes: int
+
+
+def replay_with_limit(record: AllocationRecord, limit: int, through_step: int | None = None) -> LimitReplay:
+    """Replay ``record`` through a :class:`LimitedAllocatorSim` capped at ``limit`` reserved bytes.
+
+    With ``through_step``, only the rows of steps up to it (step 0 = what was alive at the start).
+    """
+    sim = LimitedAllocatorSim(limit)
+    rows = record.rows_through(through_step)
+    done = [-1]  # the last row applied
+    try:
+        replay_rows(sim, record, rows, on_row=lambda i: done.__setitem__(0, i))
+    except SimulatedOutOfMemory as err:
+        i = done[0] + 1
+        step, phase = int(record.step[i]), PHASES[int(record.phase[i])]
+        return LimitReplay(limit, False, i, step, phase, err.requested, sim.allocated, sim.reserved, sim.cache_flushes)
+    return LimitReplay(limit, True, rows, None, None, None, sim.allocated, sim.reserved, sim.cache_flushes)
+
+
+def min_limit_to_pass(record: AllocationRecord, through_step: int | None = None, granularity: int = ROUND_LARGE) -> int:
+    """The smallest multiple of ``granularity`` bytes under which the replay of ``record`` (through
+    ``through_step``) completes: the least GPU memory the simulated allocator needs, fragmentation included.
+
+    Scans upwards from the simulated peak of allocated bytes (below it nothing can fit) to the unlimited
+    run's peak of reserved bytes (which always fits), so the answer needs no assumption of monotonicity.
+    """
+    if not isinstance(granularity, int) or granularity < MIN_BLOCK:
+        raise ValueError(f"granularity must be a whole number of bytes >= {MIN_BLOCK}, got {granularity!r}")
+    part = record.head(record.rows_through(through_step))
+    free_run = replay(part)
+    low = int(free_run.allocated.max()) // granularity * granularity
+    high = round_up(int(free_run.reserved.max()), granularity)
+    for limit in range(max(low, granularity), high + granularity, granularity):
+        if replay_with_limit(part, limit).passed:
+            return limit
+    return high  # not reached: the unlimited run's own reserved peak always fits
+
+
+def allocator_at(record: AllocationRecord, row: int, sim: CachingAllocatorSim | None = None) -> CachingAllocatorSim:
+    """The simulated allocator after rows ``0..row`` of ``record`` (or ``sim``, replayed into), whose
+    ``segments()`` show every segment and block at that moment."""
+    if not -1 <= row < len(record):
+        raise ValueError(f"row must be from -1 to {len(record) - 1}, got {row!r}")
+    return replay_rows(CachingAllocatorSim() if sim is None else sim, record, row + 1)

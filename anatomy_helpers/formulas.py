@@ -32,3 +32,53 @@ def param_count(cfg: ModelConfig) -> int:
     h, v, L, s, r = cfg.d_model, cfg.vocab_size, cfg.n_layer, cfg.seq_len, cfg.mlp_ratio
     per_block = (4 + 2 * r) * h * h + (9 + r) * h
     return h * v + L * per_block + 2 * h + s * h
+
+
+# ---- activations: Korthikanti et al. 2022, bytes of one transformer layer -------------------------------------
+# "Reducing Activation Recomputation in Large Transformer Models", section 4.1.
+
+#: The per-layer terms of the formula: (term, part of the layer, coefficient, unit), where the unit
+#: is "sbh" (s*b*h) or "as^2b" (a*s*s*b) and the term's bytes are coefficient * unit.
+#: 16-bit activations (2 bytes per element), 1-byte dropout masks, materialised attention.
+KORTHIKANTI_TERMS = (
+    ("QKV input", "attention", 2, "sbh"),
+    ("Q and K", "attention", 4, "sbh"),
+    ("softmax output", "attention", 2, "as^2b"),
+    ("softmax dropout mask", "attention", 1, "as^2b"),
+    ("dropout output", "attention", 2, "as^2b"),
+    ("V", "attention", 2, "sbh"),
+    ("out-proj input", "attention", 2, "sbh"),
+    ("attn dropout mask", "attention", 1, "sbh"),
+    ("fc1 input", "mlp", 2, "sbh"),
+    ("GELU input", "mlp", 8, "sbh"),
+    ("fc2 input", "mlp", 8, "sbh"),
+    ("MLP dropout mask", "mlp", 1, "sbh"),
+    ("LayerNorm inputs", "layernorm", 4, "sbh"),
+)
+
+
+#: Terms that are dropout masks: the formula counts them at 1 byte per element.
+MASK_TERMS = ("softmax dropout mask", "attn dropout mask", "MLP dropout mask")
+
+
+#: What a measured layer saves beyond the formula's terms.
+EXTRA_TERMS = ("LayerNorm mean/rstd", "causal mask")
+
+
+def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:
+    """Activation bytes of one transformer layer, per term of Korthikanti et al. (2022).
+
+    ``s`` sequence length, ``b`` micro-batch, ``h`` hidden size, ``a`` attention heads.
+    Assumes 16-bit activations, 1-byte dropout masks, standard (materialised) attention and a
+    4h GELU MLP. The values sum to :func:`korthikanti_layer_bytes`.
+    """
+    for name, value in (("s", s), ("b", b), ("h", h), ("a", a)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    per_unit = {"sbh": s * b * h, "as^2b": a * s * s * b}
+    return {term: coef * per_unit[unit] for term, _, coef, unit in KORTHIKANTI_TERMS}
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> int:
+    """``s*b*h*(34 + 5*a*s/h)``: activation bytes of one layer (16-bit, 1-byte masks), exactly."""
+    return 34 * s * b * h + 5 * a * s * s * b

@@ -10,8 +10,10 @@ import io
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.text import Annotation
 
-from .tracker import CATEGORIES, PHASES, Trace
+from .trace import CATEGORIES, PHASES, Trace
+from .units import pick_unit
 
 CATEGORY_COLORS = {
     "parameters": "#0072B2",  # blue
@@ -24,11 +26,6 @@ CATEGORY_COLORS = {
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
 PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
-
-
-def pick_unit(nbytes: float) -> tuple[str, float]:
-    """('GiB', 2**30) for sizes of 2 GiB and up, else ('MiB', 2**20)."""
-    return ("GiB", 2**30) if nbytes >= 2 * 2**30 else ("MiB", 2**20)
 
 
 class CourseFigure(Figure):
@@ -104,17 +101,9 @@ def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None 
     ax.set_xlim(xs[0], xs[-1])
     ax.set_xlabel("memory event (allocation or free)" if x == "event" else "time since tracking began (ms)")
     ax.set_ylabel(f"live tensor memory ({unit})")
-    ax.set_title(title or f"Memory through {len(trace.training_steps())} training step(s) on {trace.meta['device']}")
+    ax.set_title(title or f"Memory through {len(trace.training_steps())} training step(s) on {trace.device}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category", title_fontsize=8)
     return fig
-
-
-def moment_index(trace: Trace, step: int, phase: str = "forward") -> int:
-    """Sample index at the end of ``phase`` in ``step`` (e.g. the end of step 1's forward)."""
-    for ph in trace.phases():
-        if ph.step == step and ph.phase == phase:
-            return ph.end
-    raise ValueError(f"step {step} has no {phase!r} phase; phases recorded: {PHASES}")
 
 
 def plot_module_bars(
@@ -127,7 +116,7 @@ def plot_module_bars(
     Returns the Figure.
     """
     if index is None:
-        index = moment_index(trace, step, phase)
+        index = trace.phase(step, phase).end
         when = f"end of step {step}'s {phase}"
     else:
         when = f"sample {index}"
@@ -148,6 +137,110 @@ def plot_module_bars(
     ax.set_xlabel(f"live bytes allocated by the module ({unit})")
     ax.set_title(f"Memory by module at the {when}")
     ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+def plot_timelines(traces: dict[str, Trace], title: str | None = None):
+    """One :func:`plot_timeline` per trace, stacked, on the same y scale (titles are the dict keys).
+
+    Returns the Figure.
+    """
+    fig = CourseFigure(figsize=(10, 2.8 * len(traces) + 0.4), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(len(traces), 1))
+    top = max(t.timeline.total.max() for t in traces.values())
+    unit, scale = pick_unit(top)
+    for i, (ax, (label, trace)) in enumerate(zip(axes, traces.items())):
+        plot_timeline(trace, ax=ax, title=label)
+        own_top = ax.get_ylim()[1]
+        ax.set_ylim(0, top / scale * 1.18)
+        for text in ax.texts:
+            if isinstance(text, Annotation):  # the peak's label: above the peak when there is room
+                if text.xy[1] < 0.6 * ax.get_ylim()[1]:
+                    text.xyann = (18, 12)
+            else:  # phase and step labels sit near the top: move them to the shared top
+                text.set_y(text.get_position()[1] / own_top * ax.get_ylim()[1])
+        if i:
+            ax.get_legend().remove()  # one legend is enough
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def plot_optimizer_phase(traces: Trace | dict[str, Trace], steps: tuple[int, ...] = (1, 2), title: str | None = None):
+    """Zoom on optimizer phases: stacked live bytes per category, one panel per (trace, step).
+
+    ``traces`` is one Trace or ``{label: Trace}``. Each panel starts at the moment just before
+    ``optimizer.step()`` (every gradient alive) and ends after ``zero_grad()``. Returns the Figure.
+    """
+    if isinstance(traces, Trace):
+        traces = {"": traces}
+    panels = [(label, tr, s) for label, tr in traces.items() for s in steps]
+    phases = [tr.optimizer_phase(s) for _, tr, s in panels]
+    samples = [  # the moment just before the phase, then every sample of it
+        np.vstack([[tr.at(ph.start - 1)[c] for c in CATEGORIES], tr.timeline.bytes[ph.start : ph.end + 1]])
+        for (_, tr, _), ph in zip(panels, phases)
+    ]
+    top = max(int(rows.sum(axis=1).max()) for rows in samples)
+    unit, scale = pick_unit(top)
+    fig = CourseFigure(figsize=(min(4.2 * len(panels), 13), 4), layout="constrained")
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    for ax, (label, _, s), ph, rows in zip(axes, panels, phases, samples):
+        xs = np.arange(len(rows))
+        stack_categories(ax, xs, rows, scale)
+        ax.set_xlim(0, max(len(xs) - 1, 1))
+        ax.set_title(f"{label + ': ' if label else ''}step {s}", fontsize=10)
+        ax.set_xlabel("memory event in the optimizer phase")
+        ax.text(
+            0.02,
+            0.97,
+            f"state {ph.state_before / scale:.1f} -> {ph.state_after / scale:.1f} {unit}\n"
+            f"temporaries +{ph.temporaries / scale:.1f} {unit}",
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            bbox={"boxstyle": "round", "fc": "white", "ec": "#888"},
+        )
+    axes[0].set_ylabel(f"live tensor memory ({unit})")
+    axes[0].set_ylim(0, top / scale * 1.3)
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category", title_fontsize=8)
+    fig.suptitle(title or "The optimizer phase: optimizer.step() through zero_grad()")
+    return fig
+
+
+def plot_budget_run(trace: Trace, budget: int, *, failed: bool | None = None, title: str | None = None):
+    """The timeline of ``trace`` with the budget drawn across it; if the run ``failed`` (by default: if its
+    last sample is over the budget), the allocation that went over is marked. Returns the Figure."""
+    tl = trace.timeline
+    fig = plot_timeline(trace, title=title, annotate_peak=False)
+    ax = fig.axes[0]
+    unit, scale = pick_unit(tl.total.max())
+    top = max(ax.get_ylim()[1], budget / scale * 1.15)
+    ax.set_ylim(0, top)
+    ax.axhline(budget / scale, color="#B00020", linewidth=1.2)
+    x0, x1 = ax.get_xlim()
+    ax.text(
+        x0 + 0.3 * (x1 - x0),
+        budget / scale,
+        f"budget {budget / scale:.1f} {unit}",
+        color="#B00020",
+        va="bottom",
+        fontsize=8,
+    )
+    if failed is None:
+        failed = bool(len(tl)) and int(tl.total[-1]) > budget
+    if failed:
+        i = len(tl) - 1
+        ax.plot([i], [tl.total[i] / scale], marker="X", color="#B00020", markersize=9)
+        ax.annotate(
+            f"out of budget: step {int(tl.step[i])}, {PHASES[int(tl.phase[i])]},\n"
+            f"{tl.module_names[int(tl.module[i])]} asks for {int(trace.alloc_deltas[i]) / scale:.2f} {unit}",
+            (i, tl.total[i] / scale),
+            xytext=(-12, -34),
+            textcoords="offset points",
+            ha="right",
+            fontsize=8,
+            bbox={"boxstyle": "round", "fc": "white", "ec": "#B00020"},
+        )
     return fig
 
 

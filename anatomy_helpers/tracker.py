@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -29,42 +28,45 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Lower index wins when a storage qualifies twice: a weight saved for backward
-# stays a parameter, the token ids saved by the embedding stay inputs.
-CATEGORIES = ("parameters", "optimizer_state", "gradients", "inputs", "activations", "temporaries")
-PARAMETERS, OPTIMIZER_STATE, GRADIENTS, INPUTS, ACTIVATIONS, TEMPORARIES = range(len(CATEGORIES))
-PHASES = ("idle", "forward", "backward", "optimizer")
-IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
-MiB = 2**20
-
-# Module names used outside the model's own modules.
-NO_MODULE, ROOT, OPT_STEP, OPT_ZERO_GRAD = "-", "model", "optimizer.step", "optimizer.zero_grad"
+from .tensors import optimizer_state_tensors, returns_alias
+from .trace import (
+    ACTIVATIONS,
+    BACKWARD,
+    CATEGORIES,
+    FORWARD,
+    GRADIENTS,
+    IDLE,
+    INPUTS,
+    NO_MODULE,
+    OPT_STEP,
+    OPT_ZERO_GRAD,
+    OPTIMIZER,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+    PHASES,
+    ROOT,
+    TEMPORARIES,
+    CudaMark,
+    PhaseMark,
+    SavedTensor,
+    Timeline,
+    Trace,
+)
+from .units import MiB
 
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
 
 
-def _round_up(nbytes: np.ndarray, multiple: int) -> np.ndarray:
-    return -(-nbytes // multiple) * multiple
 
 
-def storage_bytes(tensors, device: torch.device | str | None = None) -> int:
-    """Bytes held by the distinct storages behind ``tensors`` (views counted once).
-
-    With ``device``, only storages on that device count. This is what the tracker's
-    per-category totals should equal, computed straight from the tensors.
-    """
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if device is not None and t.device != torch.device(device):
-            continue
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor in ``optimizer.state`` (exp_avg, exp_avg_sq, step, momentum_buffer ...)."""
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+
+
+
+
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -154,7 +156,6 @@ class StepTracker:
         self._live: dict[int, int] = {}  # storage address (_cdata) -> allocation id
         self._refs: dict[int, weakref.ref] = {}  # allocation id -> weak ref that reports the free
         self._live_bytes = 0
-        self._aliasing: dict = {}  # op -> whether its outputs alias its inputs
         self._grad_param: dict[int, str] = {}  # allocation id of a gradient -> its parameter's name
         self._saved: list[tuple[int, int, tuple, torch.dtype, int, int]] = []
         self._start_ns = time.perf_counter_ns()
@@ -177,8 +178,11 @@ class StepTracker:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._teardown()
-        if isinstance(exc, MemoryBudgetExceeded):
-            exc.trace = self._trace  # what happened up to the failure, for plotting
+        if exc is not None:
+            try:
+                exc.trace = self._trace  # what happened up to the failure, for plotting
+            except AttributeError:  # an exception type that takes no attributes
+                pass
         return None
 
     def _teardown(self) -> None:
@@ -198,7 +202,7 @@ class StepTracker:
         if self._active:
             self._active = False
             self._end_ns = time.perf_counter_ns()
-            self._trace = Trace._from_tracker(self)
+            self._trace = self._build_trace()
         self._refs.clear()  # dropping the weak refs also drops their callbacks
         self._live.clear()
 
@@ -208,6 +212,49 @@ class StepTracker:
         if self._trace is None:
             raise RuntimeError("the trace is ready when the `with StepTracker(...)` block has ended")
         return self._trace
+
+    def _build_trace(self) -> Trace:
+        """The Trace of what was recorded: the baseline storages first, then one sample per event."""
+        n0, start = self._n_baseline, self._start_ns
+        ev = np.array(self._events, dtype=np.int64).reshape(-1, 6)  # (ns, alloc id, delta, step, phase, module)
+        base, ev = ev[:n0], ev[n0:]
+        cats = np.array(self._a_cat, dtype=np.int64)
+        deltas = np.zeros((len(ev), len(CATEGORIES)), dtype=np.int64)
+        deltas[np.arange(len(ev)), cats[ev[:, 1]]] = ev[:, 2]
+        baseline = np.zeros(len(CATEGORIES), dtype=np.int64)
+        np.add.at(baseline, cats[base[:, 1]], base[:, 2])
+        cuda = np.array(self._cuda_samples[n0:], dtype=np.int64).reshape(-1, 2) if self._cuda else None
+        timeline = Timeline(
+            time_s=(ev[:, 0] - start) / 1e9,
+            step=ev[:, 3].copy(),
+            phase=ev[:, 4].copy(),
+            module=ev[:, 5].copy(),
+            bytes=baseline + np.cumsum(deltas, axis=0),
+            module_names=list(self._modules),
+            cuda_allocated=None if cuda is None else cuda[:, 0],
+            cuda_reserved=None if cuda is None else cuda[:, 1],
+        )
+        names, sizes = self._modules, self._a_bytes
+        saved = [
+            SavedTensor(step, names[m], shape, dtype, nbytes, aid, sizes[aid], CATEGORIES[self._a_cat[aid]])
+            for step, m, shape, dtype, nbytes, aid in self._saved
+        ]
+        return Trace(
+            timeline=timeline,
+            alloc_category=cats,
+            alloc_module=np.array(self._a_module, dtype=np.int64),
+            alloc_ids=ev[:, 1].copy(),
+            alloc_deltas=ev[:, 2].copy(),
+            baseline_ids=base[:, 1].copy(),
+            baseline_bytes=base[:, 2].copy(),
+            phase_marks=[PhaseMark(i - n0, (t - start) / 1e9, s, PHASES[p]) for i, t, s, p in self._phase_marks],
+            saved=saved,
+            grad_param=dict(self._grad_param),
+            device=str(self.device),
+            duration_s=(self._end_ns - start) / 1e9,
+            cuda_at_entry=CudaMark(-1, *self._cuda_at_entry) if self._cuda else None,
+            cuda_marks=[CudaMark(i - n0, a, r, q) for i, a, r, q in self._cuda_marks],
+        )
 
     # ---- registering storages ---------------------------------------------------
     def _register_existing(self) -> None:
@@ -388,9 +435,7 @@ class StepTracker:
             self._module = self._code(ROOT)
         # Views, in-place and out= ops return memory that already existed: a storage first seen
         # there was allocated before tracking began (a slice of the dataset, say), not by this op.
-        aliases = self._aliasing.get(func)
-        if aliases is None:
-            aliases = self._aliasing[func] = any(r.alias_info is not None for r in func._schema.returns)
+        aliases = returns_alias(func)
         if isinstance(out, torch.Tensor):
             self._aid(out, new=not aliases)
         elif isinstance(out, (tuple, list)):
@@ -413,281 +458,3 @@ class StepTracker:
                 self._set_phase(BACKWARD)
             self._module = module
         return t
-
-
-@dataclass
-class Peak:
-    """The largest total of tracked bytes in a window, and what made it up."""
-
-    bytes: int
-    index: int  # sample index in the trace's timeline
-    step: int
-    phase: str
-    module: str
-    breakdown: dict[str, int]  # bytes per category at the peak
-
-    def __str__(self) -> str:
-        return f"{self.bytes / MiB:.2f} MiB at step {self.step}, {self.phase}, in {self.module}"
-
-
-@dataclass
-class Timeline:
-    """One sample per allocation or free: a columnar table of numpy arrays.
-
-    ``bytes[i, c]`` is the number of live bytes of category ``CATEGORIES[c]``
-    after sample ``i``; ``total`` is their sum.
-    """
-
-    time_s: np.ndarray  # seconds since tracking began
-    step: np.ndarray
-    phase: np.ndarray  # index into PHASES
-    module: np.ndarray  # index into module_names
-    bytes: np.ndarray  # (n_samples, n_categories)
-    module_names: list[str]
-    cuda_allocated: np.ndarray | None = None  # torch.cuda.memory_allocated() per sample
-    cuda_reserved: np.ndarray | None = None  # torch.cuda.memory_reserved() per sample
-
-    def __len__(self) -> int:
-        return len(self.step)
-
-    @property
-    def total(self) -> np.ndarray:
-        return self.bytes.sum(axis=1)
-
-    def category(self, name: str) -> np.ndarray:
-        """Bytes of one category over the samples."""
-        return self.bytes[:, CATEGORIES.index(name)]
-
-    def records(self) -> list[dict]:
-        """The table as a list of dicts (one per sample), for printing or pandas."""
-        return [
-            {
-                "time_s": float(self.time_s[i]),
-                "step": int(self.step[i]),
-                "phase": PHASES[self.phase[i]],
-                "module": self.module_names[self.module[i]],
-                **{c: int(self.bytes[i, j]) for j, c in enumerate(CATEGORIES)},
-            }
-            for i in range(len(self))
-        ]
-
-
-@dataclass
-class PhaseSummary:
-    step: int
-    phase: str
-    start: int  # first sample index of the phase
-    end: int  # last sample index of the phase
-    peak: Peak
-    at_end: dict[str, int]  # bytes per category after the phase's last sample
-    dominant: str  # the category holding the most bytes at the phase's peak
-
-
-class Trace:
-    """What a :class:`StepTracker` recorded. Bytes everywhere, exact on CPU."""
-
-    def __init__(self, timeline, baseline, alloc_category, alloc_module, alloc_events, phase_marks, saved, meta):
-        self.timeline: Timeline = timeline
-        self.baseline: dict[str, int] = baseline  # bytes per category when tracking began
-        self.alloc_category = alloc_category  # category index per allocation id
-        self.alloc_module = alloc_module  # module index per allocation id
-        self.alloc_events = alloc_events  # (n_samples, ) allocation id of each sample
-        self.phase_marks = phase_marks
-        self.saved = saved
-        self.meta = meta
-
-    @classmethod
-    def _from_tracker(cls, tr: StepTracker) -> Trace:
-        n0 = tr._n_baseline
-        ev = np.array(tr._events, dtype=np.int64).reshape(-1, 6)
-        cats = np.array(tr._a_cat, dtype=np.int64)
-        base = np.zeros(len(CATEGORIES), dtype=np.int64)
-        np.add.at(base, cats[ev[:n0, 1]], ev[:n0, 2])
-        baseline_deltas = (ev[:n0, 1].copy(), ev[:n0, 2].copy())
-        ev = ev[n0:]
-        deltas = np.zeros((len(ev), len(CATEGORIES)), dtype=np.int64)
-        deltas[np.arange(len(ev)), cats[ev[:, 1]]] = ev[:, 2]
-        cuda = np.array(tr._cuda_samples[n0:], dtype=np.int64).reshape(-1, 2) if tr._cuda else None
-        timeline = Timeline(
-            time_s=(ev[:, 0] - tr._start_ns) / 1e9,
-            step=ev[:, 3].copy(),
-            phase=ev[:, 4].copy(),
-            module=ev[:, 5].copy(),
-            bytes=base + np.cumsum(deltas, axis=0),
-            module_names=list(tr._modules),
-            cuda_allocated=None if cuda is None else cuda[:, 0],
-            cuda_reserved=None if cuda is None else cuda[:, 1],
-        )
-        marks = [(i - n0, (t - tr._start_ns) / 1e9, s, p) for i, t, s, p in tr._phase_marks]
-        saved = [
-            {
-                "step": s,
-                "module": tr._modules[m],
-                "shape": shape,
-                "dtype": dtype,
-                "bytes": nbytes,  # the saved view's own bytes
-                "storage": aid,  # allocation id: several saved views may share one storage
-                "storage_bytes": tr._a_bytes[aid],  # the whole storage, what the tracker counts
-                "category": CATEGORIES[tr._a_cat[aid]],
-            }
-            for s, m, shape, dtype, nbytes, aid in tr._saved
-        ]
-        meta = {
-            "device": str(tr.device),
-            "duration_s": (tr._end_ns - tr._start_ns) / 1e9,
-            # CUDA only: allocator counters when tracking began and at every phase change
-            # (rows: sample index the change happened before, allocated, reserved, requested bytes).
-            "cuda_at_entry": tr._cuda_at_entry,
-            "cuda_at_phase_marks": np.array([(i - n0, a, r, q) for i, a, r, q in tr._cuda_marks], dtype=np.int64),
-            "alloc_deltas": ev[:, 2].copy(),
-            "baseline_deltas": baseline_deltas,
-            "grad_param": dict(tr._grad_param),  # gradient allocation id -> parameter name
-        }
-        return cls(
-            timeline,
-            {c: int(b) for c, b in zip(CATEGORIES, base)},
-            cats,
-            np.array(tr._a_module, dtype=np.int64),
-            ev[:, 1].copy(),
-            marks,
-            saved,
-            meta,
-        )
-
-    # ---- windows ------------------------------------------------------------------
-    @property
-    def steps(self) -> list[int]:
-        """Every step number that has samples (a trailing idle step included)."""
-        return sorted(set(self.timeline.step.tolist()))
-
-    def training_steps(self) -> list[int]:
-        """Steps that ran a forward pass."""
-        return sorted({s for _, _, s, p in self.phase_marks if p == FORWARD})
-
-    def _window(self, step: int | None, phase: str | None) -> np.ndarray:
-        mask = np.ones(len(self.timeline), dtype=bool)
-        if step is not None:
-            mask &= self.timeline.step == step
-        if phase is not None:
-            if phase not in PHASES:
-                raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-            mask &= self.timeline.phase == PHASES.index(phase)
-        return np.flatnonzero(mask)
-
-    def _breakdown(self, i: int) -> dict[str, int]:
-        if i < 0:
-            return dict(self.baseline)
-        return {c: int(b) for c, b in zip(CATEGORIES, self.timeline.bytes[i])}
-
-    def at(self, index: int) -> dict[str, int]:
-        """Bytes per category after sample ``index`` (-1: when tracking began)."""
-        return self._breakdown(index)
-
-    def peak(self, step: int | None = None, phase: str | None = None) -> Peak:
-        """The highest total in the given step and/or phase (the whole trace by default)."""
-        idx = self._window(step, phase)
-        if len(idx) == 0:
-            raise ValueError(f"no samples for step={step!r}, phase={phase!r}; steps recorded: {self.steps}")
-        i = int(idx[np.argmax(self.timeline.total[idx])])
-        tl = self.timeline
-        return Peak(
-            int(tl.total[i]), i, int(tl.step[i]), PHASES[tl.phase[i]], tl.module_names[tl.module[i]], self._breakdown(i)
-        )
-
-    def phases(self) -> list[PhaseSummary]:
-        """One summary per (step, phase) run of samples, in time order."""
-        tl = self.timeline
-        if len(tl) == 0:
-            return []
-        key = tl.step * len(PHASES) + tl.phase
-        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        ends = np.r_[starts[1:] - 1, len(tl) - 1]
-        out = []
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            i = s + int(np.argmax(tl.total[s : e + 1]))
-            peak = Peak(
-                int(tl.total[i]),
-                i,
-                int(tl.step[i]),
-                PHASES[tl.phase[i]],
-                tl.module_names[tl.module[i]],
-                self._breakdown(i),
-            )
-            dominant = max(peak.breakdown, key=peak.breakdown.get)
-            out.append(PhaseSummary(peak.step, peak.phase, s, e, peak, self._breakdown(e), dominant))
-        return out
-
-    def step_times_s(self) -> dict[int, float]:
-        """Wall time of each step in seconds, from its first phase change to the next step's."""
-        starts: dict[int, float] = {}
-        for _, t, s, _ in self.phase_marks:
-            starts.setdefault(s, t)
-        steps = sorted(starts)
-        ends = [starts[s] for s in steps[1:]] + [self.meta["duration_s"]]
-        ran = set(self.training_steps())
-        return {s: e - starts[s] for s, e in zip(steps, ends) if s in ran}
-
-    def live_by_module(self, index: int, depth: int = 2) -> dict[str, dict[str, int]]:
-        """Bytes alive after sample ``index``, by the module that allocated them and category.
-
-        Module names are cut to ``depth`` parts (``blocks.0.attn.qkv`` -> ``blocks.0``).
-        Parameters count under the module that owns them.
-        """
-        alive = np.zeros(len(self.alloc_category), dtype=np.int64)
-        n0_deltas = self.meta["baseline_deltas"]
-        np.add.at(alive, n0_deltas[0], n0_deltas[1])
-        np.add.at(alive, self.alloc_events[: index + 1], self.meta["alloc_deltas"][: index + 1])
-        out: dict[str, dict[str, int]] = {}
-        names = self.timeline.module_names
-        for aid in np.flatnonzero(alive):
-            name = ".".join(names[self.alloc_module[aid]].split(".")[:depth])
-            row = out.setdefault(name, dict.fromkeys(CATEGORIES, 0))
-            row[CATEGORIES[self.alloc_category[aid]]] += int(alive[aid])
-        return out
-
-    def allocation_record(self) -> dict[str, np.ndarray]:
-        """Every allocation and free in order, for replaying (e.g. through an allocator model).
-
-        Columns (numpy arrays of one row per memory event): ``sample`` (timeline index,
-        -1 for storages already alive when tracking began), ``time_s``, ``alloc_id``,
-        ``bytes`` (positive for an allocation, negative for a free), ``category``
-        (index into CATEGORIES), ``step`` and ``phase`` (index into PHASES).
-        """
-        base_ids, base_bytes = self.meta["baseline_deltas"]
-        tl = self.timeline
-        n0 = len(base_ids)
-        return {
-            "sample": np.r_[np.full(n0, -1), np.arange(len(tl))],
-            "time_s": np.r_[np.zeros(n0), tl.time_s],
-            "alloc_id": np.r_[base_ids, self.alloc_events],
-            "bytes": np.r_[base_bytes, self.meta["alloc_deltas"]],
-            "category": self.alloc_category[np.r_[base_ids, self.alloc_events]],
-            "step": np.r_[np.zeros(n0, dtype=np.int64), tl.step],
-            "phase": np.r_[np.zeros(n0, dtype=np.int64), tl.phase],
-        }
-
-    def replay_baseline(self, round_to: int = 1) -> int:
-        """Bytes alive when tracking began, each allocation rounded up to ``round_to`` bytes."""
-        return int(_round_up(self.meta["baseline_deltas"][1], round_to).sum())
-
-    def replay_totals(self, round_to: int = 1) -> np.ndarray:
-        """Total live bytes after each sample, each allocation rounded up to ``round_to`` bytes.
-
-        ``round_to=512`` mimics the CUDA caching allocator's block sizes, so the
-        result can be compared with ``torch.cuda.memory_allocated()``.
-        """
-        d = self.meta["alloc_deltas"]
-        return self.replay_baseline(round_to) + np.cumsum(np.sign(d) * _round_up(np.abs(d), round_to))
-
-    # ---- printing -------------------------------------------------------------------
-    def table(self) -> str:
-        """Phase x category table in MiB, each row at that phase's peak."""
-        head = f"{'step':>4} {'phase':<9}" + "".join(f"{c[:11]:>12}" for c in CATEGORIES) + f"{'total':>10}  peak in"
-        lines = [head, "-" * len(head)]
-        for ph in self.phases():
-            if ph.phase == "idle":
-                continue
-            cells = "".join(f"{ph.peak.breakdown[c] / MiB:12.2f}" for c in CATEGORIES)
-            lines.append(f"{ph.step:>4} {ph.phase:<9}{cells}{ph.peak.bytes / MiB:10.2f}  {ph.peak.module}")
-        lines.append(f"peak: {self.peak()}")
-        return "\n".join(lines)

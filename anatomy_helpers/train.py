@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -47,7 +48,9 @@ def make_optimizer(
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Forward, backward, optimizer step, zero_grad. Returns the loss as a float."""
+    """Forward, backward, optimizer step, zero_grad (the step :func:`track_steps` runs, untracked).
+
+    Returns the loss as a float."""
     loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
     loss.backward()
     optimizer.step()
@@ -65,6 +68,9 @@ def make_model(device: str | torch.device | None = None, seed: int = 0, **config
     return GPT(ModelConfig(**config)).to(pick_device(device) if device is None else torch.device(device))
 
 
+KEEP_CHOICES = ("item", "loss", "val_loss")
+
+
 def track_steps(
     model: GPT,
     optimizer: torch.optim.Optimizer,
@@ -74,21 +80,54 @@ def track_steps(
     seed: int = 0,
     budget_bytes: int | None = None,
     progress: bool = False,
+    set_to_none: bool = True,
+    retain_graph: bool = False,
+    keep: str = "item",
+    optimizer_step: bool = True,
+    after_step: Callable[[int], None] | None = None,
 ) -> Trace:
     """Train ``steps`` steps on course batches inside a StepTracker and return its Trace.
 
-    Batch ``i`` is ``get_batch(batch_size, model.cfg.seq_len, step=i, seed=seed)``.
-    With ``budget_bytes`` a step that goes over it raises MemoryBudgetExceeded,
-    whose ``.trace`` holds what was recorded up to that moment.
+    The course's one training loop. Step ``i`` (from 1) is ``loss = model(x, y)[1]``,
+    ``loss.backward(retain_graph=retain_graph)``, ``optimizer.step()``,
+    ``optimizer.zero_grad(set_to_none=set_to_none)`` on batch
+    ``get_batch(batch_size, model.cfg.seq_len, step=i - 1, seed=seed)``; then ``after_step(i)``.
+    ``optimizer_step=False`` stops each step after backward (gradients kept, no optimizer phase).
+
+    ``keep`` is what the loop keeps of each step for logging, in a list that lives through all steps:
+    ``"item"``: ``loss.item()``, a Python float (the right way); ``"loss"``: the loss tensor itself, after
+    its backward; ``"val_loss"``: a validation loss computed at the start of each step on another batch
+    *without* ``torch.no_grad()`` and never backpropagated (its whole graph stays alive).
+
+    With ``budget_bytes`` a step that goes over it raises MemoryBudgetExceeded. Whatever the loop raises
+    carries what was recorded up to that moment as its ``.trace``.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if keep not in KEEP_CHOICES:
+        raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
     device = next(model.parameters()).device
+    seq_len = model.cfg.seq_len
+    kept: list = []
     with StepTracker(model, optimizer, budget_bytes=budget_bytes) as tracker:
         for i in range(steps):
-            x, y = get_batch(batch_size, model.cfg.seq_len, step=i, seed=seed, device=device)
-            loss = train_step(model, optimizer, x, y)
-            del x, y  # the next batch should not overlap with this one
+            if keep == "val_loss":
+                vx, vy = get_batch(batch_size, seq_len, step=10_000 + i, seed=seed, device=device)
+                kept.append(model(vx, vy)[1])  # grad mode is on: its whole graph stays alive
+                del vx, vy
+            x, y = get_batch(batch_size, seq_len, step=i, seed=seed, device=device)
+            loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
+            loss.backward(retain_graph=retain_graph)
+            if optimizer_step:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=set_to_none)
+            kept.append(loss if keep == "loss" else loss.item() if keep == "item" else None)
             if progress:
-                print(f"step {i + 1}/{steps}: loss {loss:.3f}", file=sys.stderr, flush=True)
+                print(f"step {i + 1}/{steps}: loss {loss.item():.3f}", file=sys.stderr, flush=True)
+            del loss
+            del x, y  # the next batch should not overlap with this one
+            if after_step is not None:
+                after_step(i + 1)
     return tracker.trace

@@ -1,6 +1,6 @@
 """Slider panels and progress bars for the notebooks.
 
-Pattern used in every notebook (see REFERENCES.md on nbval): first call the plain
+Pattern used in every notebook (nbval compares the stored output of every cell): first call the plain
 function with its defaults in its own cell (stable output nbval can compare),
 then build the panel with :func:`slider_panel` in a cell marked NBVAL_IGNORE_OUTPUT.
 """
@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Iterator
 import ipywidgets as w
 
 from .plots import plot_timeline
-from .tracker import MiB
 from .train import make_model, make_optimizer, track_steps
+from .units import MiB
 
 
 def slider_panel(fn: Callable, **controls) -> w.interactive:

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from anatomy_helpers import make_model, make_optimizer
+from anatomy_helpers import make_model, make_optimizer, track_steps
+from anatomy_helpers.trace import AllocationRecord
 
 # Small enough that a tracked step takes milliseconds; big enough to have every part.
 SMALL = dict(n_layer=2, d_model=64, n_head=2, seq_len=32)
@@ -15,12 +16,28 @@ def _two_threads():
 
 @pytest.fixture
 def small():
+    """A fresh SMALL model and its AdamW."""
     model = make_model(device="cpu", **SMALL)
     return model, make_optimizer(model, "adamw")
 
 
+@pytest.fixture(scope="session")
+def small_run():
+    """(model, optimizer, trace) of three tracked AdamW steps of the SMALL model, batch 4. Shared: do not mutate."""
+    torch.set_num_threads(2)  # session fixtures run before the autouse one
+    model = make_model(device="cpu", **SMALL)
+    opt = make_optimizer(model, "adamw")
+    return model, opt, track_steps(model, opt, steps=3, batch_size=4)
+
+
+@pytest.fixture(scope="session")
+def small_trace(small_run):
+    """The trace of :func:`small_run`."""
+    return small_run[2]
+
+
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors``: the number the tracker must reproduce."""
+    """Bytes of the distinct storages behind ``tensors``, computed here independently of the package."""
     seen = {}
     for t in tensors:
         st = t.untyped_storage()
@@ -28,16 +45,26 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def make_record(rows):
-    """An allocation record like Trace.allocation_record() from (step, alloc_id, bytes) rows."""
+def numel(model) -> int:
+    """Number of parameters of ``model``."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def phase_end(trace, step, phase) -> dict[str, int]:
+    """Bytes per category at the end of ``phase`` in ``step``, read from the phase list."""
+    return next(ph for ph in trace.phases() if ph.step == step and ph.phase == phase).at_end
+
+
+def make_record(rows) -> AllocationRecord:
+    """An allocation record like Trace.allocation_record() from hand-written (step, alloc_id, bytes) rows."""
     step, alloc_id, nbytes = (np.array(c, dtype=np.int64) for c in zip(*rows))
     n = len(rows)
-    return {
-        "sample": np.arange(n),
-        "time_s": np.zeros(n),
-        "alloc_id": alloc_id,
-        "bytes": nbytes,
-        "category": np.zeros(n, dtype=np.int64),
-        "step": step,
-        "phase": np.ones(n, dtype=np.int64),
-    }
+    return AllocationRecord(
+        sample=np.arange(n),
+        time_s=np.zeros(n),
+        alloc_id=alloc_id,
+        bytes=nbytes,
+        category=np.zeros(n, dtype=np.int64),
+        step=step,
+        phase=np.ones(n, dtype=np.int64),
+    )

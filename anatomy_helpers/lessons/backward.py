@@ -11,12 +11,11 @@ Who owns what:
   first (``trace.saved``): that is the part whose backward releases it. The sum of
   the embeddings, say, is allocated by the model's own forward but saved by
   ``blocks.0.ln1``, so it belongs to ``blocks.0``;
-* a **gradient** belongs to the part that owns its parameter. :func:`track_training`
-  records which parameter each gradient storage belongs to (in
-  ``trace.meta["grad_param"]``); for a trace without that record, the module that
-  was current when the gradient was allocated is used instead (in backward, the
-  module whose saved tensor autograd unpacked last, which is the right part for
-  this model's parameters).
+* a **gradient** belongs to the part that owns its parameter. The tracker records
+  which parameter each gradient storage belongs to (``trace.grad_param``); for a
+  gradient without that record, the module that was current when it was allocated
+  is used instead (in backward, the module whose saved tensor autograd unpacked
+  last, which is the right part for this model's parameters).
 """
 
 from __future__ import annotations
@@ -24,100 +23,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.nn as nn
-from matplotlib.text import Annotation
 
-from .data import get_batch
-from .plots import CATEGORY_COLORS, PHASE_SHADES, CourseFigure, pick_unit, plot_timeline
-from .tracker import ACTIVATIONS, CATEGORIES, GRADIENTS, PHASES, MiB, StepTracker, Trace
-from .train import make_model, make_optimizer
-
-EMBEDDINGS, HEAD = "embeddings", "head"
-_EMBEDDING_MODULES = ("tok_emb", "pos_emb", "drop")
-_HEAD_MODULES = ("ln_f", "lm_head", "model")  # "model": the root's own ops, i.e. the loss
-KEEP_CHOICES = ("item", "loss", "val_loss")
-
-
-def part_of(module_name: str) -> str | None:
-    """The model part a module belongs to: ``"embeddings"``, ``"blocks.<i>"`` or ``"head"``.
-
-    ``"blocks.2.mlp.fc"`` -> ``"blocks.2"``; ``"tok_emb"`` -> ``"embeddings"``; ``"ln_f"``,
-    ``"lm_head"`` and the root ``"model"`` (where the loss is computed) -> ``"head"``.
-    Names outside the model (``"-"``, ``"optimizer.step"`` ...) give None.
-    """
-    parts = module_name.split(".")
-    if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
-        return f"blocks.{parts[1]}"
-    if parts[0] in _EMBEDDING_MODULES:
-        return EMBEDDINGS
-    if parts[0] in _HEAD_MODULES:
-        return HEAD
-    return None
-
-
-def model_parts(n_layer: int) -> list[str]:
-    """The parts in the order forward runs them: embeddings, blocks.0 .. blocks.<n_layer-1>, head."""
-    return [EMBEDDINGS, *(f"blocks.{i}" for i in range(n_layer)), HEAD]
+from ..plots import CATEGORY_COLORS, PHASE_SHADES, CourseFigure, plot_timeline
+from ..trace import ACTIVATIONS, GRADIENTS, ROOT, Trace, model_part, model_parts
+from ..train import make_model, make_optimizer, track_steps
+from ..units import MiB, pick_unit
 
 
 def _n_layer(trace: Trace) -> int:
-    blocks = {p for p in map(part_of, trace.timeline.module_names) if p and p.startswith("blocks.")}
+    blocks = {p for p in map(model_part, trace.timeline.module_names) if p and p.startswith("blocks.")}
     return 1 + max((int(b.split(".")[1]) for b in blocks), default=-1)
 
 
+
+
+
+
+
+
 # ---- running steps ----------------------------------------------------------------------------------------------
-def track_training(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    steps: int = 2,
-    batch_size: int = 8,
-    *,
-    set_to_none: bool = True,
-    retain_graph: bool = False,
-    keep: str = "item",
-    forward_backward_only: bool = False,
-    seed: int = 0,
-) -> Trace:
-    """Train ``steps`` steps inside a StepTracker, with the usual mistakes switchable; return the Trace.
-
-    Each step is ``loss = model(x, y)[1]``, ``loss.backward(retain_graph=retain_graph)``,
-    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=set_to_none)`` on batch
-    ``get_batch(batch_size, seq_len, step=i, seed=seed)`` (the same batches as ``track_steps``).
-    ``forward_backward_only`` stops after ``backward`` (no optimizer step, gradients kept).
-
-    ``keep`` is what the loop keeps of each step for logging, in a list that lives through
-    all the steps:
-
-    * ``"item"``: ``loss.item()``, a Python float (the right way);
-    * ``"loss"``: the loss tensor itself, after its backward;
-    * ``"val_loss"``: a validation loss tensor, computed at the start of each step on another
-      batch *without* ``torch.no_grad()`` and never backpropagated.
-
-    The trace's ``meta["grad_param"]`` maps each gradient's allocation id to its parameter's name.
-    """
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
-    if keep not in KEEP_CHOICES:
-        raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
-    device = next(model.parameters()).device
-    seq_len = model.cfg.seq_len
-    kept: list = []
-    with StepTracker(model, optimizer) as tracker:
-        for i in range(steps):
-            if keep == "val_loss":
-                vx, vy = get_batch(batch_size, seq_len, step=10_000 + i, seed=seed, device=device)
-                kept.append(model(vx, vy)[1])  # grad mode is on: its whole graph stays alive
-                del vx, vy
-            x, y = get_batch(batch_size, seq_len, step=i, seed=seed, device=device)
-            loss = model(x, y)[1]
-            loss.backward(retain_graph=retain_graph)
-            if not forward_backward_only:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=set_to_none)
-            kept.append(loss if keep == "loss" else loss.item() if keep == "item" else None)
-            del x, y, loss
-    return tracker.trace
 
 
 # ---- splitting a trace by model part ----------------------------------------------------------------------------
@@ -125,21 +49,21 @@ def allocation_parts(trace: Trace) -> dict[int, str]:
     """The model part of every activation and gradient allocation: ``{allocation id: part}``.
 
     Activations go to the part whose module saved them first; gradients to the part that
-    owns their parameter (``trace.meta["grad_param"]``), else to the part of the module
+    owns their parameter (``trace.grad_param``), else to the part of the module
     current when they were allocated.
     """
     names = trace.timeline.module_names
     first_saver: dict[int, str] = {}
     for s in trace.saved:
-        first_saver.setdefault(s["storage"], s["module"])
-    grad_param = trace.meta.get("grad_param", {})
+        first_saver.setdefault(s.storage, s.module)
+    grad_param = trace.grad_param
     out: dict[int, str] = {}
     for aid, cat in enumerate(trace.alloc_category.tolist()):
         if cat == ACTIVATIONS:
-            part = part_of(first_saver.get(aid, names[trace.alloc_module[aid]]))
+            part = model_part(first_saver.get(aid, names[trace.alloc_module[aid]]))
         elif cat == GRADIENTS:
             owner = grad_param.get(aid)
-            part = part_of(owner.rpartition(".")[0] or "model") if owner else part_of(names[trace.alloc_module[aid]])
+            part = model_part(owner.rpartition(".")[0] or ROOT) if owner else model_part(names[trace.alloc_module[aid]])
         else:
             continue
         if part is not None:
@@ -161,7 +85,7 @@ def live_by_part(trace: Trace) -> tuple[list[str], np.ndarray]:
     n = len(trace.timeline)
     deltas = np.zeros((n + 1, 2, len(parts)), dtype=np.int64)
     for sample, aid, nbytes, cat in zip(
-        rec["sample"].tolist(), rec["alloc_id"].tolist(), rec["bytes"].tolist(), rec["category"].tolist()
+        rec.sample.tolist(), rec.alloc_id.tolist(), rec.bytes.tolist(), rec.category.tolist()
     ):
         part = owner.get(aid)
         if part is None:
@@ -227,7 +151,7 @@ class BackwardProfile:
 def backward_profile(trace: Trace, step: int = 1) -> BackwardProfile:
     """Per-part activation and gradient bytes through the backward phase of ``step``."""
     parts, live = live_by_part(trace)
-    samples = np.flatnonzero((trace.timeline.step == step) & (trace.timeline.phase == PHASES.index("backward")))
+    samples = trace.window(step, "backward")
     if len(samples) == 0:
         raise ValueError(f"step {step} has no backward samples; training steps recorded: {trace.training_steps()}")
     before = live[samples[0]]  # row samples[0] of `live` is the state after sample samples[0] - 1
@@ -236,45 +160,12 @@ def backward_profile(trace: Trace, step: int = 1) -> BackwardProfile:
 
 
 # ---- smaller measurements -----------------------------------------------------------------------------------------
-def phase_window(trace: Trace, step: int, phase: str) -> np.ndarray:
-    """Timeline indices of ``phase`` in ``step``."""
-    tl = trace.timeline
-    idx = np.flatnonzero((tl.step == step) & (tl.phase == PHASES.index(phase)))
-    if len(idx) == 0:
-        raise ValueError(f"step {step} has no {phase!r} samples")
-    return idx
 
 
-def max_category(trace: Trace, category: str, step: int, phase: str) -> int:
-    """The most bytes ``category`` held at any sample of ``phase`` in ``step``."""
-    return int(trace.timeline.category(category)[phase_window(trace, step, phase)].max())
 
 
-def largest_allocation(trace: Trace, category: str, step: int, phase: str) -> int:
-    """The largest single allocation (bytes) of ``category`` made during ``phase`` of ``step``."""
-    rec = trace.allocation_record()
-    mask = (
-        (rec["bytes"] > 0)
-        & (rec["category"] == CATEGORIES.index(category))
-        & (rec["step"] == step)
-        & (rec["phase"] == PHASES.index(phase))
-        & (rec["sample"] >= 0)
-    )
-    return int(rec["bytes"][mask].max()) if mask.any() else 0
 
 
-def live_allocations(trace: Trace, index: int, category: str) -> list[tuple[int, str]]:
-    """``(bytes, allocating module)`` of each ``category`` allocation alive after sample ``index``, largest first."""
-    rec = trace.allocation_record()
-    upto = rec["sample"] <= index
-    alive = np.zeros(len(trace.alloc_category), dtype=np.int64)
-    np.add.at(alive, rec["alloc_id"][upto], rec["bytes"][upto])
-    cat = CATEGORIES.index(category)
-    names = trace.timeline.module_names
-    rows = [
-        (int(alive[a]), names[trace.alloc_module[a]]) for a in np.flatnonzero(alive) if trace.alloc_category[a] == cat
-    ]
-    return sorted(rows, key=lambda r: -r[0])
 
 
 # ---- plots --------------------------------------------------------------------------------------------------------
@@ -334,30 +225,6 @@ def plot_backward_parts(profile: BackwardProfile, title: str | None = None, mark
     return fig
 
 
-def plot_timelines(traces: dict[str, Trace], title: str | None = None):
-    """One :func:`plot_timeline` per trace, stacked, on the same y scale (titles are the dict keys).
-
-    Returns the Figure.
-    """
-    fig = CourseFigure(figsize=(10, 2.8 * len(traces) + 0.4), layout="constrained")
-    axes = np.atleast_1d(fig.subplots(len(traces), 1))
-    top = max(t.timeline.total.max() for t in traces.values())
-    unit, scale = pick_unit(top)
-    for i, (ax, (label, trace)) in enumerate(zip(axes, traces.items())):
-        plot_timeline(trace, ax=ax, title=label)
-        own_top = ax.get_ylim()[1]
-        ax.set_ylim(0, top / scale * 1.18)
-        for text in ax.texts:
-            if isinstance(text, Annotation):  # the peak's label: above the peak when there is room
-                if text.xy[1] < 0.6 * ax.get_ylim()[1]:
-                    text.xyann = (18, 12)
-            else:  # phase and step labels sit near the top: move them to the shared top
-                text.set_y(text.get_position()[1] / own_top * ax.get_ylim()[1])
-        if i:
-            ax.get_legend().remove()  # one legend is enough
-    if title:
-        fig.suptitle(title)
-    return fig
 
 
 def plot_category(trace: Trace, category: str, step: int):
@@ -404,12 +271,10 @@ def backward_peak_panel(n_layer: int = 4, batch_size: int = 8, device=None):
     (the peak annotated).
     """
     model = make_model(device=device, n_layer=n_layer)
-    trace = track_training(
-        model, make_optimizer(model, "sgd"), steps=1, batch_size=batch_size, forward_backward_only=True
-    )
+    trace = track_steps(model, make_optimizer(model, "sgd"), steps=1, batch_size=batch_size, optimizer_step=False)
     pk = trace.peak()
     b = pk.breakdown
-    window = phase_window(trace, 1, pk.phase)
+    window = trace.window(1, pk.phase)
     print(
         f"{n_layer} layers, batch {batch_size}: peak {pk.bytes / MiB:.2f} MiB in {pk.phase} "
         f"(event {pk.index - window[0] + 1} of {len(window)}), in {pk.module}: activations "

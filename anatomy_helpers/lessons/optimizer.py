@@ -3,9 +3,10 @@
 * :func:`build_optimizer` makes the course optimizers in each implementation torch has:
   the single-tensor loop, foreach (multi-tensor) and fused;
 * :class:`MasterWeightAdamW` trains a bf16 model with fp32 master weights (mixed precision);
-* :func:`optimizer_phase` and :func:`bytes_per_param` read a Trace's optimizer phase;
+* :func:`bytes_per_param` reads a Trace's optimizer phase (``Trace.optimizer_phase``);
 * :func:`measure_setup` / :data:`TABLE_SETUPS` rebuild the bytes-per-parameter table from measurements;
-* :func:`plot_optimizer_phase`, :func:`plot_bytes_per_param` and :func:`optimizer_bars` draw them.
+* :func:`plot_bytes_per_param` and :func:`optimizer_bars` draw them (``plots.plot_optimizer_phase`` zooms
+  on the phase itself).
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -18,9 +19,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .plots import CATEGORY_COLORS, CATEGORY_LABELS, CourseFigure, pick_unit, stack_categories
-from .tracker import CATEGORIES, MiB, Trace, storage_bytes
-from .train import OPTIMIZERS, make_model, make_optimizer, track_steps
+from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, CourseFigure
+from ..tables import Col, format_table
+from ..tensors import storage_bytes
+from ..trace import Trace
+from ..train import OPTIMIZERS, make_model, make_optimizer, track_steps
+from ..units import MiB, pick_unit
 
 IMPLEMENTATIONS = ("single-tensor", "foreach", "fused")
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
@@ -115,59 +119,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         p.copy_(master)  # round the new weights into the model's dtype
 
 
-def state_bytes_by_key(optimizer: torch.optim.Optimizer, device: torch.device | str | None = None) -> dict[str, int]:
-    """Bytes of optimizer state per state name (``exp_avg``, ``momentum_buffer``, ``step`` ...).
-
-    With ``device``, only tensors on that device count (torch keeps Adam's ``step`` on the CPU
-    unless the optimizer is fused or capturable).
-    """
-    out: dict[str, int] = {}
-    for state in optimizer.state.values():
-        for key, v in state.items():
-            if isinstance(v, torch.Tensor):
-                out[key] = out.get(key, 0) + storage_bytes([v], device)
-    return out
 
 
-@dataclass
-class OptimizerPhase:
-    """What one step's optimizer phase did to memory (bytes)."""
-
-    step: int
-    start: int  # first sample index of the phase
-    end: int  # last sample index of the phase
-    state_before: int  # optimizer state just before the phase
-    state_after: int  # optimizer state at the end of the phase (after zero_grad)
-    temporaries: int  # temporaries at the phase peak, minus those alive just before the phase
-    extra_peak: int  # the phase's peak total minus the total just before the phase
-    peak: dict[str, int]  # bytes per category at the phase peak
-    peak_index: int  # sample of the phase peak (start - 1: the moment just before the phase)
 
 
-def optimizer_phase(trace: Trace, step: int) -> OptimizerPhase:
-    """Summarise ``step``'s optimizer phase (``optimizer.step()`` through ``zero_grad()``).
-
-    The peak is taken over the phase and the moment just before it, when every gradient is alive:
-    an optimizer that allocates nothing (plain SGD, fused Adam in later steps) peaks right there.
-    """
-    ph = next((p for p in trace.phases() if p.step == step and p.phase == "optimizer"), None)
-    if ph is None:
-        raise ValueError(f"step {step} has no optimizer phase; training steps recorded: {trace.training_steps()}")
-    before = trace.at(ph.start - 1)
-    totals = trace.timeline.total[ph.start : ph.end + 1]
-    i = ph.start + int(np.argmax(totals))
-    peak_index, peak = (i, trace.at(i)) if totals.max() > sum(before.values()) else (ph.start - 1, before)
-    return OptimizerPhase(
-        step=step,
-        start=ph.start,
-        end=ph.end,
-        state_before=before["optimizer_state"],
-        state_after=ph.at_end["optimizer_state"],
-        temporaries=peak["temporaries"] - before["temporaries"],
-        extra_peak=sum(peak.values()) - sum(before.values()),
-        peak=peak,
-        peak_index=peak_index,
-    )
 
 
 @dataclass
@@ -197,7 +152,7 @@ def bytes_per_param(trace: Trace, model: nn.Module, step: int = 2, label: str = 
     """
     device = next(model.parameters()).device
     n = sum(p.numel() for p in model.parameters())
-    ph = optimizer_phase(trace, step)
+    ph = trace.optimizer_phase(step)
     weights = ph.peak["parameters"] - storage_bytes(model.buffers(), device)
     return BytesPerParam(
         label, n, weights / n, ph.peak["gradients"] / n, ph.peak["optimizer_state"] / n, ph.temporaries / n
@@ -258,15 +213,10 @@ def measure_setup(setup: Setup, steps: int = 2, batch_size: int = 2, device=None
 
 def format_bytes_per_param(rows: list[BytesPerParam]) -> str:
     """The table as text: one row per setup, bytes per parameter."""
-    width = max(len(r.label) for r in rows)
-    head = f"{'setup':<{width}} {'weights':>8} {'grads':>7} {'opt state':>10} {'temps':>7} {'total':>7}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r.label:<{width}} {r.weights:8.2f} {r.gradients:7.2f} {r.optimizer_state:10.2f} "
-            f"{r.temporaries:7.2f} {r.total:7.2f}"
-        )
-    return "\n".join(lines)
+    cols = [Col("setup", max(len(r.label) for r in rows), align="<"), Col("weights", 8, ".2f"), Col("grads", 7, ".2f")]
+    cols += [Col("opt state", 10, ".2f"), Col("temps", 7, ".2f"), Col("total", 7, ".2f")]
+    table = [(r.label, r.weights, r.gradients, r.optimizer_state, r.temporaries, r.total) for r in rows]
+    return format_table(cols, table, note="(bytes per parameter)")
 
 
 def plot_bytes_per_param(rows: list[BytesPerParam], title: str | None = None):
@@ -299,45 +249,6 @@ def plot_bytes_per_param(rows: list[BytesPerParam], title: str | None = None):
     return fig
 
 
-def plot_optimizer_phase(traces: Trace | dict[str, Trace], steps: tuple[int, ...] = (1, 2), title: str | None = None):
-    """Zoom on optimizer phases: stacked live bytes per category, one panel per (trace, step).
-
-    ``traces`` is one Trace or ``{label: Trace}``. Each panel starts at the moment just before
-    ``optimizer.step()`` (every gradient alive) and ends after ``zero_grad()``. Returns the Figure.
-    """
-    if isinstance(traces, Trace):
-        traces = {"": traces}
-    panels = [(label, tr, s) for label, tr in traces.items() for s in steps]
-    phases = [optimizer_phase(tr, s) for _, tr, s in panels]
-    samples = [  # the moment just before the phase, then every sample of it
-        np.vstack([[tr.at(ph.start - 1)[c] for c in CATEGORIES], tr.timeline.bytes[ph.start : ph.end + 1]])
-        for (_, tr, _), ph in zip(panels, phases)
-    ]
-    top = max(int(rows.sum(axis=1).max()) for rows in samples)
-    unit, scale = pick_unit(top)
-    fig = CourseFigure(figsize=(min(4.2 * len(panels), 13), 4), layout="constrained")
-    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
-    for ax, (label, _, s), ph, rows in zip(axes, panels, phases, samples):
-        xs = np.arange(len(rows))
-        stack_categories(ax, xs, rows, scale)
-        ax.set_xlim(0, max(len(xs) - 1, 1))
-        ax.set_title(f"{label + ': ' if label else ''}step {s}", fontsize=10)
-        ax.set_xlabel("memory event in the optimizer phase")
-        ax.text(
-            0.02,
-            0.97,
-            f"state {ph.state_before / scale:.1f} -> {ph.state_after / scale:.1f} {unit}\n"
-            f"temporaries +{ph.temporaries / scale:.1f} {unit}",
-            transform=ax.transAxes,
-            va="top",
-            fontsize=8,
-            bbox={"boxstyle": "round", "fc": "white", "ec": "#888"},
-        )
-    axes[0].set_ylabel(f"live tensor memory ({unit})")
-    axes[0].set_ylim(0, top / scale * 1.3)
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category", title_fontsize=8)
-    fig.suptitle(title or "The optimizer phase: optimizer.step() through zero_grad()")
-    return fig
 
 
 def optimizer_bars(
@@ -361,7 +272,7 @@ def optimizer_bars(
         model = make_model(device=device, d_model=d_model, n_layer=n_layer, n_head=n_head, seq_len=seq_len)
         opt = build_optimizer(model, name, implementation)
         trace = track_steps(model, opt, steps=2, batch_size=batch_size)
-        states = trace.at(optimizer_phase(trace, 2).start - 1)
+        states = trace.at(trace.optimizer_phase(2).start - 1)
         pk = trace.peak()
         results[name] = ({c: states[c] for c in MODEL_STATES}, pk.bytes, pk)
     n = sum(p.numel() for p in model.parameters())
@@ -390,6 +301,3 @@ def optimizer_bars(
     return fig
 
 
-def largest_tensor_bytes(tensors) -> int:
-    """Bytes of the largest single tensor among ``tensors`` (what a single-tensor loop works on at once)."""
-    return max((t.nelement() * t.element_size() for t in tensors), default=0)
