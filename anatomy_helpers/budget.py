@@ -116,6 +116,8 @@ class BudgetRun:
             elif s == self.failed_step:
                 parts.append(f"step {s} FAILED in {self.phase}, {self.module}")
                 break
+        if self.failed_step == 0:
+            parts.append("the model does not fit before step 1 (parameters and state alone are over the budget)")
         return f"budget {self.budget / MiB:.2f} MiB: " + "; ".join(parts)
 
 

@@ -211,6 +211,8 @@ def plot_budget_run(trace: Trace, budget: int, *, failed: bool | None = None, ti
     """The timeline of ``trace`` with the budget drawn across it; if the run ``failed`` (by default: if its
     last sample is over the budget), the allocation that went over is marked. Returns the Figure."""
     tl = trace.timeline
+    if len(tl) == 0:  # it failed before step 1: only what was alive at the start, against the budget
+        return _plot_baseline_vs_budget(trace, budget, title)
     fig = plot_timeline(trace, title=title, annotate_peak=False)
     ax = fig.axes[0]
     unit, scale = pick_unit(tl.total.max())
@@ -241,6 +243,25 @@ def plot_budget_run(trace: Trace, budget: int, *, failed: bool | None = None, ti
             fontsize=8,
             bbox={"boxstyle": "round", "fc": "white", "ec": "#B00020"},
         )
+    return fig
+
+
+def _plot_baseline_vs_budget(trace: Trace, budget: int, title: str | None):
+    """One stacked bar of the bytes alive when tracking began, and the budget line: the model did not fit."""
+    unit, scale = pick_unit(max(sum(trace.baseline.values()), budget))
+    fig, ax = _new_axes(None, (8, 2.6))
+    left = 0.0
+    for c in CATEGORIES:
+        width = trace.baseline[c] / scale
+        if width:
+            ax.barh([0], [width], left=left, color=CATEGORY_COLORS[c], label=CATEGORY_LABELS[c])
+        left += width
+    ax.axvline(budget / scale, color="#B00020", linewidth=1.2)
+    ax.text(budget / scale, 0.45, f" budget {budget / scale:.1f} {unit}", color="#B00020", fontsize=8)
+    ax.set_yticks([0], ["alive before step 1"])
+    ax.set_xlabel(f"live tensor memory ({unit})")
+    ax.set_title(title or "Out of budget before training starts: the model itself does not fit")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return fig
 
 

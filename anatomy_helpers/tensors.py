@@ -17,7 +17,8 @@ def on_device(t: torch.Tensor | torch.UntypedStorage, device: torch.device | str
     if device is None:
         return True
     device = torch.device(device)
-    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+    # A CPU tensor's device has no index; "cpu:0" is the same device.
+    return t.device.type == device.type and (device.index is None or (t.device.index or 0) == device.index)
 
 
 @cache

@@ -19,6 +19,7 @@ numbers are exact bytes and the same on every run.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from functools import partial
@@ -55,6 +56,7 @@ from .trace import (
 from .units import MiB
 
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
+_MISSING = object()
 
 
 
@@ -70,17 +72,25 @@ _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
 
 
 class MemoryBudgetExceeded(RuntimeError):
-    """Live tracked bytes went over the tracker's ``budget_bytes``: a simulated out-of-memory."""
+    """Live tracked bytes went over the tracker's ``budget_bytes``: a simulated out-of-memory.
+
+    ``step`` 0 means before training: what was already alive when tracking began (parameters, buffers,
+    gradients, optimizer state) does not fit, as a model too big for a GPU fails when it is moved there.
+    """
 
     def __init__(self, budget, requested, step, phase, module, breakdown):
         self.budget, self.requested = budget, requested
         self.step, self.phase, self.module, self.breakdown = step, phase, module, breakdown
+        live = sum(breakdown.values())
         parts = ", ".join(f"{k} {v / MiB:.2f}" for k, v in breakdown.items() if v)
-        super().__init__(
-            f"out of memory (simulated budget {budget / MiB:.2f} MiB): step {step}, {phase} phase, "
-            f"in {module}, tried to allocate {requested / MiB:.2f} MiB with "
-            f"{sum(breakdown.values()) / MiB:.2f} MiB live [{parts}] (MiB)"
-        )
+        if step == 0:
+            where = f"before training starts, what is already alive needs {live / MiB:.2f} MiB [{parts}] (MiB)"
+        else:
+            where = (
+                f"step {step}, {phase} phase, in {module}, tried to allocate {requested / MiB:.2f} MiB with "
+                f"{live / MiB:.2f} MiB live [{parts}] (MiB)"
+            )
+        super().__init__(f"out of memory (simulated budget {budget / MiB:.2f} MiB): {where}")
 
 
 class _OpWatcher(TorchDispatchMode):
@@ -115,6 +125,8 @@ class StepTracker:
     tracked bytes exceed it (a CPU stand-in for a GPU running out of memory).
     """
 
+    _running: StepTracker | None = None  # the tracker inside its `with` block, if any
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, budget_bytes: int | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"StepTracker needs an nn.Module, got {type(model).__name__}")
@@ -127,21 +139,97 @@ class StepTracker:
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         if not any(id(p) in model_params for p in opt_params):
             raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer of this model")
-        if budget_bytes is not None and budget_bytes <= 0:
-            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        if budget_bytes is not None and (
+            isinstance(budget_bytes, bool)
+            or not isinstance(budget_bytes, (int, float))
+            or not math.isfinite(budget_bytes)
+            or budget_bytes <= 0
+        ):
+            raise ValueError(f"budget_bytes must be a positive, finite number of bytes, got {budget_bytes!r}")
         self.model, self.optimizer, self.budget_bytes = model, optimizer, budget_bytes
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
+        self._cuda_index = self.device.index if self._cuda else -1
         self._trace: Trace | None = None
         self._active = False
+        self._undo: list = []  # what __enter__ installed, each as a function that removes it again
 
     # ---- entering and leaving -------------------------------------------------
     def __enter__(self) -> StepTracker:
-        if getattr(self.model, "_anatomy_tracker", None) is not None:
-            raise RuntimeError("this model is already being tracked: trackers on one model cannot be nested")
+        # Dispatch modes and saved-tensor hooks are global to the thread: a second tracker would see the
+        # first one's ops (and vice versa) and mis-attribute categories and steps. One at a time.
+        active = StepTracker._running
+        if active is not None:
+            which = "this model" if active.model is self.model else f"another model ({type(active.model).__name__})"
+            raise RuntimeError(
+                f"a StepTracker is already running on {which}: trackers cannot be nested or run side by side "
+                "(the ops of both would land in both traces); finish the first `with` block before starting another"
+            )
+        self._reset_records()
+        self._active = True
+        try:
+            self._install(self._claim, self._release)
+            self._register_existing()
+            self._n_baseline = len(self._events)
+            if self.budget_bytes is not None and self._live_bytes > self.budget_bytes:  # the model itself does not fit
+                raise MemoryBudgetExceeded(self.budget_bytes, self._live_bytes, 0, "idle", ROOT, self.live_breakdown())
+            self._install_hooks()
+            mode = _OpWatcher(self)
+            self._install(mode.__enter__, lambda: mode.__exit__(None, None, None))
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._install(hooks.__enter__, lambda: hooks.__exit__(None, None, None))
+        except BaseException as exc:
+            self._teardown()
+            if isinstance(exc, MemoryBudgetExceeded):
+                exc.trace = self._trace
+            raise
+        self._mark_phase()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._teardown()
+        if exc is not None:
+            try:
+                exc.trace = self._trace  # what happened up to the failure, for plotting
+            except AttributeError:  # an exception type that takes no attributes
+                pass
+        return None
+
+    def _install(self, do, undo) -> None:
+        """Run ``do``; only if it succeeded, remember ``undo`` for the teardown (so nothing is undone twice)."""
+        do()
+        self._undo.append(undo)
+
+    def _claim(self) -> None:
+        StepTracker._running = self
         self.model._anatomy_tracker = self
-        self._handles = []
+
+    def _release(self) -> None:
+        StepTracker._running = None
+        if getattr(self.model, "_anatomy_tracker", None) is self:
+            del self.model._anatomy_tracker
+
+    def _teardown(self) -> None:
+        """Undo exactly what was installed, newest first, whatever fails on the way; then build the trace."""
+        errors = []
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except Exception as e:  # keep undoing the rest; report the first failure afterwards
+                errors.append(e)
+        if self._active:
+            self._active = False
+            self._end_ns = time.perf_counter_ns()
+            if not hasattr(self, "_n_baseline"):  # failed while registering what was already alive
+                self._n_baseline = len(self._events)
+            self._trace = self._build_trace()
+        self._refs.clear()  # dropping the weak refs also drops their callbacks
+        self._live.clear()
+        if errors:
+            raise errors[0]
+
+    def _reset_records(self) -> None:
         self._modules = [NO_MODULE, ROOT, OPT_STEP, OPT_ZERO_GRAD]
         self._module_code = {name: i for i, name in enumerate(self._modules)}
         self._mod_stack: list[int] = []
@@ -161,50 +249,8 @@ class StepTracker:
         self._start_ns = time.perf_counter_ns()
         self._cuda_marks: list[tuple[int, int, int, int]] = []  # (sample, allocated, reserved, requested)
         self._cuda_at_entry = self._cuda_counters() if self._cuda else (0, 0, 0)
-        self._active = True
-        try:
-            self._register_existing()
-            self._n_baseline = len(self._events)
-            self._install_hooks()
-            self._mode = _OpWatcher(self)
-            self._mode.__enter__()
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saved_hooks.__enter__()
-        except BaseException:
-            self._teardown()
-            raise
-        self._mark_phase()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._teardown()
-        if exc is not None:
-            try:
-                exc.trace = self._trace  # what happened up to the failure, for plotting
-            except AttributeError:  # an exception type that takes no attributes
-                pass
-        return None
-
-    def _teardown(self) -> None:
-        if hasattr(self, "_saved_hooks"):
-            self._saved_hooks.__exit__(None, None, None)
-            del self._saved_hooks
-        if hasattr(self, "_mode"):
-            self._mode.__exit__(None, None, None)
-            del self._mode
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        if "zero_grad" in vars(self.optimizer):
-            del self.optimizer.zero_grad  # back to the class's own method
-        if getattr(self.model, "_anatomy_tracker", None) is self:
-            del self.model._anatomy_tracker
-        if self._active:
-            self._active = False
-            self._end_ns = time.perf_counter_ns()
-            self._trace = self._build_trace()
-        self._refs.clear()  # dropping the weak refs also drops their callbacks
-        self._live.clear()
+        if hasattr(self, "_n_baseline"):
+            del self._n_baseline
 
     @property
     def trace(self) -> Trace:
@@ -274,28 +320,32 @@ class StepTracker:
             self._modules.append(name)
         return code
 
-    def _aid(self, t: torch.Tensor, module: int | None = None, new: bool = True) -> int | None:
-        """Allocation id of t's storage, registering it if unknown and ``new``.
+    def _aid(
+        self, t: torch.Tensor, module: int | None = None, new: bool = True, category: int = TEMPORARIES
+    ) -> int | None:
+        """Allocation id of t's storage, registering it (as ``category``) if unknown and ``new``.
 
         None if the storage is not on the tracked device (or unknown and not ``new``).
         """
         if t.is_cuda is not self._cuda or t.is_meta or t.layout is not torch.strided:
             return None
+        if self._cuda and t.get_device() != self._cuda_index:  # another GPU's memory is not this model's
+            return None
         st = t.untyped_storage()
         aid = self._live.get(st._cdata)
         if aid is None:
-            return self._new(st, self._module if module is None else module) if new else None
+            return self._new(st, self._module if module is None else module, category) if new else None
         nbytes = st.nbytes()
         if nbytes != self._a_bytes[aid]:  # resized in place (out= ops, resize_)
             self._record(aid, nbytes - self._a_bytes[aid], self._module)
             self._a_bytes[aid] = nbytes
         return aid
 
-    def _new(self, st: torch.UntypedStorage, module: int) -> int:
+    def _new(self, st: torch.UntypedStorage, module: int, category: int) -> int:
         nbytes = st.nbytes()
         aid = len(self._a_bytes)
         self._a_bytes.append(nbytes)
-        self._a_cat.append(TEMPORARIES)
+        self._a_cat.append(category)
         self._a_module.append(module)
         cdata = st._cdata
         self._live[cdata] = aid
@@ -311,6 +361,8 @@ class StepTracker:
                 (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
             )
         if self.budget_bytes is not None and delta > 0 and self._live_bytes > self.budget_bytes:
+            if not hasattr(self, "_n_baseline"):
+                return  # still registering what was alive before tracking: checked as a whole afterwards
             raise MemoryBudgetExceeded(
                 self.budget_bytes, delta, self._step, PHASES[self._phase], self._modules[module], self.live_breakdown()
             )
@@ -323,7 +375,7 @@ class StepTracker:
         self._record(aid, -self._a_bytes[aid], self._module)
 
     def _mark(self, t: torch.Tensor, category: int, module: int | None = None) -> int | None:
-        aid = self._aid(t, module)
+        aid = self._aid(t, module, category=category)
         if aid is not None and category < self._a_cat[aid]:
             self._a_cat[aid] = category
         return aid
@@ -366,7 +418,9 @@ class StepTracker:
 
     def _install_hooks(self) -> None:
         root_code = self._code(ROOT)
-        h = self._handles
+
+        def hook(handle) -> None:  # a RemovableHandle, removed again at teardown
+            self._undo.append(handle.remove)
 
         def root_pre(module, args):
             self._set_phase(FORWARD)
@@ -379,8 +433,8 @@ class StepTracker:
         def root_post(module, args, output):
             self._module = root_code
 
-        h.append(self.model.register_forward_pre_hook(root_pre, prepend=True))
-        h.append(self.model.register_forward_hook(root_post))
+        hook(self.model.register_forward_pre_hook(root_pre, prepend=True))
+        hook(self.model.register_forward_hook(root_post))
         for name, sub in self.model.named_modules():
             if not name:
                 continue
@@ -394,8 +448,8 @@ class StepTracker:
                 if self._mod_stack:
                     self._module = self._mod_stack.pop()
 
-            h.append(sub.register_forward_pre_hook(pre))
-            h.append(sub.register_forward_hook(post))
+            hook(sub.register_forward_pre_hook(pre))
+            hook(sub.register_forward_hook(post))
 
         def grad_landed(p, name):
             aid = self._mark(p.grad, GRADIENTS)
@@ -404,7 +458,7 @@ class StepTracker:
 
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                h.append(p.register_post_accumulate_grad_hook(lambda p, name=name: grad_landed(p, name)))
+                hook(p.register_post_accumulate_grad_hook(lambda p, name=name: grad_landed(p, name)))
 
         def opt_pre(opt, args, kwargs):
             self._set_phase(OPTIMIZER)
@@ -413,10 +467,12 @@ class StepTracker:
         def opt_post(opt, args, kwargs):
             self._mark_optimizer_state()
 
-        h.append(self.optimizer.register_step_pre_hook(opt_pre))
-        h.append(self.optimizer.register_step_post_hook(opt_post))
+        hook(self.optimizer.register_step_pre_hook(opt_pre))
+        hook(self.optimizer.register_step_post_hook(opt_post))
 
-        original_zero_grad = self.optimizer.zero_grad  # bound method of the class
+        opt = self.optimizer
+        original_zero_grad = opt.zero_grad  # the class's method, or the user's own attribute
+        own = vars(opt).get("zero_grad", _MISSING)
 
         def zero_grad(*args, **kwargs):
             if self._phase == OPTIMIZER:
@@ -426,7 +482,13 @@ class StepTracker:
                 self._set_phase(IDLE)
                 self._module = self._code(NO_MODULE)
 
-        self.optimizer.zero_grad = zero_grad
+        def restore() -> None:
+            if own is _MISSING:
+                vars(opt).pop("zero_grad", None)  # back to the class's own method
+            else:
+                opt.zero_grad = own  # the user's own, as it was
+
+        self._install(lambda: setattr(opt, "zero_grad", zero_grad), restore)
 
     # ---- callbacks from torch -------------------------------------------------------
     def _after_op(self, func, out) -> None:

@@ -15,13 +15,9 @@ from anatomy_helpers import (
     track_steps,
     train_step,
 )
-from anatomy_helpers.tracker import CATEGORIES
+from anatomy_helpers.trace import CATEGORIES
 
-from .conftest import SMALL, storage_bytes
-
-
-def phase_end(trace, step, phase):
-    return next(ph for ph in trace.phases() if ph.step == step and ph.phase == phase).at_end
+from .conftest import SMALL, phase_end, storage_bytes
 
 
 @pytest.fixture
@@ -101,12 +97,12 @@ def test_cpu_numbers_are_deterministic():
 def test_views_are_counted_once(small):
     model, opt = small
     with StepTracker(model, opt) as tr:
-        base = torch.ones(1000)  # 4000 bytes
-        views = [base[:10], base.view(10, 100), base.t() if base.dim() == 2 else base[::2]]
-        assert len(views) == 3
+        base = torch.ones(1000)
+        expected = base.numel() * base.element_size()
+        views = [base[:10], base.view(10, 100), base[::2], base.view(10, 100).t()]  # four views, one storage
         del base, views
     trace = tr.trace
-    assert trace.timeline.total.max() - trace.baseline["parameters"] == 4000
+    assert trace.timeline.total.max() - trace.baseline["parameters"] == expected
 
 
 def test_saved_tensors_are_recorded_with_module(small):
@@ -116,11 +112,11 @@ def test_saved_tensors_are_recorded_with_module(small):
         loss = model(x, y)[1]
         del loss
     saved = tr.trace.saved
-    modules = {s["module"] for s in saved}
+    modules = {s.module for s in saved}
     assert {"blocks.0.attn", "blocks.0.mlp.gelu", "blocks.1.ln1"} <= modules
-    assert all(0 < s["bytes"] <= s["storage_bytes"] for s in saved)
+    assert all(0 < s.bytes <= s.storage_bytes for s in saved)
     # counted once per storage, the saved tensors are exactly the activations at their height (end of forward)
-    distinct = {s["storage"]: s["storage_bytes"] for s in saved if s["category"] == "activations"}
+    distinct = {s.storage: s.storage_bytes for s in saved if s.category == "activations"}
     assert sum(distinct.values()) == tr.trace.timeline.category("activations").max()
 
 
@@ -175,13 +171,14 @@ def test_misuse_raises_clear_errors(small):
     with pytest.raises(ValueError, match="none of the model's parameters"):
         StepTracker(model, make_optimizer(other))
     with StepTracker(model, opt):
-        with pytest.raises(RuntimeError, match="already being tracked"):
+        with pytest.raises(RuntimeError, match="already running on this model"):
             with StepTracker(model, opt):
                 pass
     with pytest.raises(RuntimeError, match="when the `with StepTracker"):
         _ = StepTracker(model, opt).trace
-    with pytest.raises(ValueError, match="budget_bytes"):
-        StepTracker(model, opt, budget_bytes=0)
+    for bad in (0, -1, float("nan"), float("inf"), "100", True):
+        with pytest.raises(ValueError, match="budget_bytes"):
+            StepTracker(model, opt, budget_bytes=bad)
 
 
 def test_budget_raises_with_step_phase_module_and_breakdown(small):
@@ -234,6 +231,7 @@ def test_peak_agrees_with_torch_profiler_and_memtracker(tmp_path):
     assert abs(ours - theirs) / theirs <= 0.005, (ours, theirs)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_total_matches_the_allocator():
     model = make_model(device="cuda")
@@ -244,20 +242,20 @@ def test_cuda_total_matches_the_allocator():
         for i in range(2):
             train_step(model, opt, *get_batch(8, 128, step=i + 1, device="cuda"))
     trace = tr.trace
-    allocated0, _, requested0 = trace.meta["cuda_at_entry"]
+    allocated0, requested0 = trace.cuda_at_entry.allocated, trace.cuda_at_entry.requested
     exact = np.r_[trace.replay_baseline(), trace.replay_totals()]  # exact[k]: after k samples
     rounded = np.r_[trace.replay_baseline(512), trace.replay_totals(512)]
     before_exact = requested0 - exact[0]  # what was alive before tracking began
     before_rounded = allocated0 - rounded[0]
-    marks = trace.meta["cuda_at_phase_marks"]
+    marks = trace.cuda_marks
     assert len(marks) >= 6
-    for sample, allocated, _, requested in marks:
+    for sample, allocated, requested in ((m.index, m.allocated, m.requested) for m in marks):
         # the allocator's requested bytes are the tensors' own sizes: they must agree exactly
         assert requested - before_exact == exact[sample]
         # memory_allocated counts blocks: each rounded up to 512 B (an unsplit block can be larger still)
         assert allocated - before_rounded >= rounded[sample]
     # between phase changes, at every allocation, the per-sample counter agrees within the 512-byte rounding
-    allocs = trace.meta["alloc_deltas"] > 0
+    allocs = trace.alloc_deltas > 0
     diff = trace.timeline.cuda_allocated[allocs] - before_rounded - rounded[1:][allocs]
     assert diff.min() >= 0
 
@@ -292,3 +290,96 @@ def test_a_graph_never_backpropagated_is_freed(small):
         loss = model(x, y)[1]  # softmax saves its own output: no reference cycle may keep it alive
         del loss
     assert tr.trace.timeline.category("activations")[-1] == 0
+
+
+# ---- robustness: nothing left behind, whatever fails -----------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["claim", "register", "hooks", "dispatch mode", "saved-tensor hooks"])
+def test_a_failure_while_entering_leaves_nothing_installed(small, monkeypatch, stage):
+    model, opt = small
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"injected failure at {stage}")
+
+    if stage == "claim":
+        monkeypatch.setattr(StepTracker, "_claim", boom)
+    elif stage == "register":
+        monkeypatch.setattr(StepTracker, "_register_existing", boom)
+    elif stage == "hooks":  # fail half-way through installing the module hooks
+        calls = {"n": 0}
+        original = torch.nn.Module.register_forward_hook
+
+        def some_then_boom(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > 5:
+                boom()
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.Module, "register_forward_hook", some_then_boom)
+    elif stage == "dispatch mode":
+        from anatomy_helpers import tracker as tracker_module
+
+        monkeypatch.setattr(tracker_module._OpWatcher, "__enter__", boom)
+    with pytest.raises(RuntimeError, match="injected|hooks"):
+        if stage == "saved-tensor hooks":  # torch itself refuses new saved-tensor hooks in here
+            with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this test"):
+                with StepTracker(model, opt):
+                    pass
+        else:
+            with StepTracker(model, opt):
+                pass
+    monkeypatch.undo()
+    _no_hooks_left(model, opt)
+    trace = track_steps(model, opt, steps=1, batch_size=2)  # and the model can be tracked again
+    assert trace.training_steps() == [1]
+
+
+def test_a_users_own_zero_grad_is_restored(small):
+    model, opt = small
+    calls = []
+    own = opt.zero_grad
+
+    def my_zero_grad(*args, **kwargs):
+        calls.append(1)
+        own(*args, **kwargs)
+
+    opt.zero_grad = my_zero_grad
+    track_steps(model, opt, steps=2, batch_size=2)
+    assert opt.zero_grad is my_zero_grad and len(calls) == 2
+
+
+def test_two_trackers_at_once_are_refused(small):
+    model, opt = small
+    other = make_model(device="cpu", **SMALL)
+    other_opt = make_optimizer(other, "sgd")
+    with StepTracker(model, opt):
+        with pytest.raises(RuntimeError, match="another model"):
+            with StepTracker(other, other_opt):
+                pass
+    _no_hooks_left(other, other_opt)
+    track_steps(other, other_opt, steps=1, batch_size=2)  # fine once the first one is done
+
+
+def test_a_budget_below_the_model_itself_fails_before_step_one(small):
+    model, opt = small
+    with pytest.raises(MemoryBudgetExceeded) as err:
+        track_steps(model, opt, steps=2, batch_size=2, budget_bytes=1)
+    e = err.value
+    expected = storage_bytes([*model.parameters(), *model.buffers()])
+    assert e.step == 0 and e.requested == expected and e.breakdown["parameters"] == expected
+    assert "before training starts" in str(e)
+    assert len(e.trace.timeline) == 0 and e.trace.baseline["parameters"] == expected
+    _no_hooks_left(model, opt)
+
+
+def test_on_device_matches_the_type_and_the_index_only_when_given():
+    from types import SimpleNamespace
+
+    from anatomy_helpers.tensors import on_device
+
+    on_gpu0 = SimpleNamespace(device=torch.device("cuda", 0))  # on_device only reads .device
+    assert on_device(on_gpu0, "cuda") and on_device(on_gpu0, "cuda:0") and not on_device(on_gpu0, "cuda:1")
+    assert not on_device(on_gpu0, "cpu") and on_device(on_gpu0, None)
+    cpu = torch.ones(2)
+    assert on_device(cpu, "cpu") and on_device(cpu, torch.device("cpu", 0)) and not on_device(cpu, "cuda")
