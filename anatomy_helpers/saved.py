@@ -219,7 +219,9 @@ def activations_by_part(rows: Iterable[SavedRow]) -> dict[str, int]:
     for r in first_savers(rows):
         part = model_part(r.module) or HEAD
         out[part] = out.get(part, 0) + r.storage_bytes
-    n_layer = sum(k.startswith("blocks.") for k in out)
+    # the highest block index, not the number of blocks seen: rows of some blocks only (a prefix, a filter)
+    # must not lose the higher ones
+    n_layer = max((int(k.split(".")[1]) + 1 for k in out if k.startswith("blocks.")), default=0)
     return {k: out[k] for k in model_parts(n_layer) if k in out}
 
 
@@ -343,5 +345,8 @@ def comparison_table(comparison: list[TermComparison]) -> str:
     rows = [(c.term, c.part, c.formula, c.measured, c.dtype, c.difference) for c in comparison]
     f = sum(c.formula for c in comparison)
     m = sum(c.measured for c in comparison)
-    footer = [f"{'one layer':<33}{f:>12,}{m:>12,}  {'':<10}{m - f:>+12,}", f"measured / formula = {m / f:.3f}"]
+    # the totals line is written with the columns' own cells, so it lines up with them (format_table drops the
+    # first column's gap from every line)
+    total = "".join(col.cell(v) for col, v in zip(cols, ("one layer", "", f, m, "", m - f)))[len(cols[0].gap) :]
+    footer = [total.rstrip(), f"measured / formula = {m / f:.3f}"]
     return format_table(cols, rows, footer=footer)

@@ -333,14 +333,6 @@ def activation_scaling(
 # ---------------------------------------------------------------------------------------------
 
 
-
-
-
-
-
-
-
-
 def plot_formula_vs_measured(comparison: list[TermComparison], title: str | None = None):
     """Paired horizontal bars per term: the formula (grey), the measurement (activations colour).
 
