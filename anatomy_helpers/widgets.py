@@ -37,11 +37,18 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
             built[name] = spec
         elif isinstance(spec, tuple) and len(spec) == 3:
             lo, hi, step = spec
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in spec) or step <= 0 or lo > hi:
+                raise ValueError(
+                    f"control {name!r}: a slider is (min, max, step) with whole numbers, min <= max and step > 0, "
+                    f"got {spec!r}"
+                )
             value = default if isinstance(default, int) and lo <= default <= hi else lo
             built[name] = w.IntSlider(
                 value=value, min=lo, max=hi, step=step, description=label, continuous_update=False
             )
         elif isinstance(spec, list):
+            if not spec:
+                raise ValueError(f"control {name!r}: a dropdown needs at least one choice, got an empty list")
             built[name] = w.Dropdown(options=spec, value=default if default in spec else spec[0], description=label)
         else:
             raise ValueError(f"control {name!r}: expected a widget, a (min, max, step) tuple or a list, got {spec!r}")
@@ -53,11 +60,21 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     return w.interactive(fn, {"auto_display": True}, **built)
 
 
+def _in_kernel() -> bool:
+    """Whether we run inside a Jupyter kernel (which can show widgets), not merely with ipykernel imported."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
 def progress(iterable: Iterable, total: int | None = None, desc: str = "") -> Iterator:
     """Yield from ``iterable`` with a progress bar (a widget in Jupyter, a line on stderr elsewhere)."""
     items = list(iterable) if total is None else iterable
     total = len(items) if total is None else total
-    in_notebook = "ipykernel" in sys.modules
+    in_notebook = _in_kernel()
     bar = None
     if in_notebook:
         from IPython.display import display

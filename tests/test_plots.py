@@ -5,7 +5,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from anatomy_helpers import CATEGORY_COLORS, make_model, make_optimizer, plot_module_bars, plot_timeline, track_steps
-from anatomy_helpers.tracker import CATEGORIES
+from anatomy_helpers.trace import CATEGORIES
 
 from .conftest import SMALL
 
@@ -68,3 +68,68 @@ def test_slider_panel_shows_the_returned_figure():
     assert panel.result == "2x5"  # c keeps its default
     with pytest.raises(ValueError, match="not a parameter"):
         slider_panel(fn, d=(1, 2, 1))
+    for bad in ((1, 4, 0), (4, 1, 1), (1.0, 4, 1)):
+        with pytest.raises(ValueError, match="a slider is"):
+            slider_panel(fn, a=bad)
+    with pytest.raises(ValueError, match="at least one choice"):
+        slider_panel(fn, b=[])
+
+
+def test_timelines_share_one_y_scale(trace):
+    from anatomy_helpers import plot_timelines
+
+    fig = plot_timelines({"first": trace, "again": trace}, title="two")
+    tops = {ax.get_ylim()[1] for ax in fig.axes}
+    assert len(fig.axes) == 2 and len(tops) == 1
+    assert [ax.get_title() for ax in fig.axes] == ["first", "again"]
+
+
+def test_optimizer_phase_panels_one_per_step(trace):
+    from anatomy_helpers.plots import plot_optimizer_phase
+
+    fig = plot_optimizer_phase({"adamw": trace}, steps=(1, 2))
+    assert [ax.get_title() for ax in fig.axes] == ["adamw: step 1", "adamw: step 2"]
+    assert "MiB" in fig.axes[0].get_ylabel()
+
+
+def test_budget_plot_marks_the_failure_and_the_model_that_does_not_fit():
+    from anatomy_helpers.budget import try_budget
+    from anatomy_helpers.plots import plot_budget_run
+
+    failed = try_budget(2**20, batch_size=2, steps=2, **SMALL)  # SMALL's step 2 needs more than 1 MiB
+    assert not failed.passed
+    ax = plot_budget_run(failed.trace, failed.budget).axes[0]
+    assert any(t.get_text().startswith("out of budget") for t in ax.texts)
+    too_small = try_budget(1024, batch_size=2, steps=2, **SMALL)
+    assert too_small.failed_step == 0 and "does not fit before step 1" in too_small.summary()
+    ax = plot_budget_run(too_small.trace, too_small.budget).axes[0]
+    assert "budget" in " ".join(t.get_text() for t in ax.texts) and "MiB" in ax.get_xlabel()
+
+
+def test_progress_yields_everything_and_reports_on_stderr(capsys):
+    from anatomy_helpers import progress
+
+    assert list(progress(range(3), desc="runs")) == [0, 1, 2]
+    assert capsys.readouterr().err.strip().endswith("runs 3/3")
+
+
+def test_track_and_plot_prints_the_peak_and_returns_its_timeline(capsys):
+    from anatomy_helpers import track_and_plot
+
+    fig = track_and_plot(batch_size=2, seq_len=16, n_layer=1, optimizer="sgd", steps=1)
+    out = capsys.readouterr().out
+    assert out.startswith("batch 2 x seq 16, 1 layers, sgd: peak ") and "MiB" in out
+    assert fig.axes[0].get_title() == "batch 2, seq_len 16, 1 layers, sgd"
+
+
+def test_package_storage_bytes_counts_each_storage_once_and_filters_by_device():
+    import torch
+
+    from anatomy_helpers import storage_bytes
+
+    base = torch.ones(100)
+    other = torch.zeros(10, dtype=torch.float64)
+    tensors = [base, base[:10], base.view(10, 10), other]
+    assert storage_bytes(tensors) == 100 * 4 + 10 * 8
+    assert storage_bytes(tensors, "cpu") == 100 * 4 + 10 * 8
+    assert storage_bytes(tensors, "cuda") == 0
