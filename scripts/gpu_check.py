@@ -43,7 +43,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
     results: list = []
     py = sys.executable
-    run("CUDA tests", [py, "-m", "pytest", "-q", "-rs", "tests", "-k", "cuda"], results)
+    run("CUDA tests", [py, "-m", "pytest", "-q", "-rs", "tests", "-m", "cuda"], results)  # @pytest.mark.cuda
     run(
         "CLI on cuda",
         [py, "-m", "anatomy_helpers", "--device", "cuda", "--steps", "3", "--out", str(out / "timeline_cuda.png")],
