@@ -295,6 +295,8 @@ def replay_rows(sim: CachingAllocatorSim, record: AllocationRecord, rows: int | 
     storages are skipped: torch never passes them to the caching allocator. ``on_row(i)`` is called after
     row ``i`` is applied.
     """
+    if not isinstance(record, AllocationRecord):
+        raise ValueError(f"record must be an AllocationRecord (Trace.allocation_record()), got {type(record).__name__}")
     live: dict[int, int] = {}  # allocation id -> its current size in bytes, as the record says
     n = len(record) if rows is None else rows
     for i, (key, delta) in enumerate(zip(record.alloc_id[:n].tolist(), record.bytes[:n].tolist())):

@@ -15,14 +15,29 @@ from .tracker import StepTracker, Trace
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 
 
-def pick_device(preferred: str | None = None) -> torch.device:
-    """CUDA when available (or ``preferred`` if given), else CPU."""
-    if preferred is not None:
+def pick_device(preferred: str | torch.device | None = None) -> torch.device:
+    """``preferred`` if given and usable, else the GPU when there is one, else the CPU.
+
+    A GPU comes back with its index (``cuda:0``, not ``cuda``), so comparisons with tensors' devices work.
+    Raises ValueError for a device that cannot be used here (a typo, CUDA on a CPU-only machine, a GPU index
+    that does not exist).
+    """
+    if preferred is None:
+        preferred = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
         device = torch.device(preferred)
-        if device.type == "cuda" and not torch.cuda.is_available():
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {preferred!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
             raise ValueError(f"device {preferred!r} was asked for, but CUDA is not available here")
-        return device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {preferred!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ValueError(f"the course runs on 'cpu' or 'cuda', got {preferred!r}")
+    return device
 
 
 def make_optimizer(
@@ -64,8 +79,10 @@ def make_model(device: str | torch.device | None = None, seed: int = 0, **config
     ``config`` overrides ModelConfig fields, e.g. ``make_model(n_layer=2, attn_impl="sdpa")``.
     The same seed always gives the same weights.
     """
+    cfg = ModelConfig(**config)  # a bad config fails here, before anything is built
+    target = pick_device(device)
     seed_everything(seed)
-    return GPT(ModelConfig(**config)).to(pick_device(device) if device is None else torch.device(device))
+    return GPT(cfg).to(target)
 
 
 KEEP_CHOICES = ("item", "loss", "val_loss")

@@ -1,0 +1,61 @@
+"""The one training loop and the device choice: bad input gets a clear ValueError."""
+
+import pytest
+import torch
+
+from anatomy_helpers import make_model, make_optimizer, pick_device, track_steps
+
+from .conftest import SMALL
+
+
+@pytest.mark.parametrize("device", ["gpu", "mps", "cuda:x", 3.0])
+def test_pick_device_rejects_what_the_course_cannot_use(device):
+    with pytest.raises(ValueError, match="device|course runs on"):
+        pick_device(device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_on_a_cpu_only_machine_is_a_clear_error_before_building_anything():
+    with pytest.raises(ValueError, match="CUDA is not available here"):
+        make_model(device="cuda", **SMALL)
+    assert pick_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"steps": 0}, "steps"),
+        ({"steps": 2.0}, "steps"),
+        ({"steps": True}, "steps"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": "8"}, "batch_size"),
+        ({"keep": "everything"}, "keep"),
+    ],
+)
+def test_track_steps_rejects_bad_arguments(small, kwargs, match):
+    model, opt = small
+    with pytest.raises(ValueError, match=match):
+        track_steps(model, opt, **kwargs)
+
+
+def test_optimizer_step_false_keeps_gradients_and_has_no_optimizer_phase(small):
+    model, opt = small
+    trace = track_steps(model, opt, steps=1, batch_size=2, optimizer_step=False)
+    assert {ph.phase for ph in trace.phases()} <= {"forward", "backward", "idle"}
+    assert all(p.grad is not None for p in model.parameters())
+    assert opt.state == {}
+
+
+def test_after_step_is_called_once_per_step_in_order(small):
+    model, opt = small
+    seen = []
+    track_steps(model, opt, steps=3, batch_size=2, after_step=seen.append)
+    assert seen == [1, 2, 3]
+
+
+def test_same_seed_same_weights_on_any_call_order():
+    a = make_model(device="cpu", seed=3, **SMALL)
+    make_model(device="cpu", seed=5, **SMALL)  # another model in between changes nothing
+    b = make_model(device="cpu", seed=3, **SMALL)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert make_optimizer(a, "sgd").param_groups[0]["lr"] > 0
