@@ -72,17 +72,7 @@ def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None 
     xs = np.arange(len(tl)) if x == "event" else tl.time_s * 1e3
     stack_categories(ax, xs, tl.bytes, scale)
     top = tl.total.max() / scale * 1.18
-    previous_step = None
-    for ph in trace.phases():
-        if ph.phase == "idle":
-            continue
-        x0, x1 = xs[ph.start], xs[min(ph.end + 1, len(xs) - 1)]
-        ax.axvspan(x0, x1, color=PHASE_SHADES[ph.phase], zorder=0, linewidth=0)
-        ax.text((x0 + x1) / 2, top * 0.97, PHASE_SHORT[ph.phase], ha="center", va="top", fontsize=8, color="#444")
-        if ph.step != previous_step:
-            ax.axvline(x0, color="#333", linestyle="--", linewidth=0.8)
-            ax.text(x0, top * 0.90, f" step {ph.step}", ha="left", va="top", fontsize=9)
-            previous_step = ph.step
+    _shade_phases(ax, trace, xs, top)
     if annotate_peak:
         pk = trace.peak()
         px, py = xs[pk.index], pk.bytes / scale
@@ -101,9 +91,41 @@ def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None 
     ax.set_xlim(xs[0], xs[-1])
     ax.set_xlabel("memory event (allocation or free)" if x == "event" else "time since tracking began (ms)")
     ax.set_ylabel(f"live tensor memory ({unit})")
-    ax.set_title(title or f"Memory through {len(trace.training_steps())} training step(s) on {trace.device}")
+    n = len(trace.training_steps())
+    ax.set_title(title or f"Memory through {n} training step{'s' if n != 1 else ''} on {trace.device}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category", title_fontsize=8)
     return fig
+
+
+MAX_LABELLED_STEPS = 12  # beyond this many steps, phase names would overlap: shade only, label every k-th step
+
+
+def _shade_phases(ax, trace: Trace, xs: np.ndarray, top: float) -> None:
+    """Shade each phase (one collection per phase kind, so a 1,000-step trace draws as fast as a 3-step one),
+    name the phases, and mark where each step starts (every k-th step on long traces)."""
+    spans: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASE_SHADES}
+    step_starts: dict[int, float] = {}
+    for ph in trace.phases():
+        if ph.phase == "idle":
+            continue
+        x0, x1 = xs[ph.start], xs[min(ph.end + 1, len(xs) - 1)]
+        spans[ph.phase].append((x0, x1 - x0))
+        step_starts.setdefault(ph.step, x0)
+    for phase, bars in spans.items():
+        # full height whatever the y limits become (plot_timelines rescales them): axes coordinates in y
+        ax.broken_barh(
+            bars, (0, 1), facecolors=PHASE_SHADES[phase], zorder=0, linewidth=0, transform=ax.get_xaxis_transform()
+        )
+    few = len(step_starts) <= MAX_LABELLED_STEPS
+    if few:
+        for phase, bars in spans.items():
+            for x0, w in bars:
+                ax.text(x0 + w / 2, top * 0.97, PHASE_SHORT[phase], ha="center", va="top", fontsize=8, color="#444")
+    every = 1 if few else -(-len(step_starts) // MAX_LABELLED_STEPS)
+    for k, (step, x0) in enumerate(step_starts.items()):
+        if k % every == 0:
+            ax.axvline(x0, color="#333", linestyle="--", linewidth=0.8)
+            ax.text(x0, top * 0.90, f" step {step}", ha="left", va="top", fontsize=9)
 
 
 def plot_module_bars(
