@@ -35,15 +35,6 @@ def _n_layer(trace: Trace) -> int:
     return 1 + max((int(b.split(".")[1]) for b in blocks), default=-1)
 
 
-
-
-
-
-
-
-# ---- running steps ----------------------------------------------------------------------------------------------
-
-
 # ---- splitting a trace by model part ----------------------------------------------------------------------------
 def allocation_parts(trace: Trace) -> dict[int, str]:
     """The model part of every activation and gradient allocation: ``{allocation id: part}``.
@@ -159,15 +150,6 @@ def backward_profile(trace: Trace, step: int = 1) -> BackwardProfile:
     return BackwardProfile(step, parts, samples, rows[:, 0], rows[:, 1], before[0], before[1])
 
 
-# ---- smaller measurements -----------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
 # ---- plots --------------------------------------------------------------------------------------------------------
 def _shades(color: str, n: int) -> list:
     """``n`` shades of ``color``, from a light tint through the colour itself to a dark shade."""
@@ -223,8 +205,6 @@ def plot_backward_parts(profile: BackwardProfile, title: str | None = None, mark
     ax_g.set_xlabel("memory event within backward (allocation or free)")
     ax_g.set_xlim(xs[0], xs[-1])
     return fig
-
-
 
 
 def plot_category(trace: Trace, category: str, step: int):
