@@ -119,12 +119,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         p.copy_(master)  # round the new weights into the model's dtype
 
 
-
-
-
-
-
-
 @dataclass
 class BytesPerParam:
     """Model states per parameter at an optimizer phase's peak (bytes / number of parameters)."""
@@ -249,8 +243,6 @@ def plot_bytes_per_param(rows: list[BytesPerParam], title: str | None = None):
     return fig
 
 
-
-
 def optimizer_bars(
     d_model: int = 128,
     n_layer: int = 2,
@@ -299,5 +291,3 @@ def optimizer_bars(
         parts = ", ".join(f"{CATEGORY_LABELS[c]} {states[c] / MiB:.2f}" for c in MODEL_STATES)
         print(f"  {name:<9} {parts}; peak {peak / MiB:.2f} MiB in step {pk.step} {pk.phase}")
     return fig
-
-

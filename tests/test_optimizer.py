@@ -1,33 +1,31 @@
-import matplotlib
+"""Lesson 03: optimizer state, the optimizer's temporaries, bytes per parameter, master weights, table and plots.
+
+Expected sizes come from the tensors themselves (numel * element_size), never from the tracker.
+"""
+
+import matplotlib.pyplot as plt
 import pytest
 import torch
 
 from anatomy_helpers import get_batch, make_model, make_optimizer, track_steps
-from anatomy_helpers.optim_memory import (
+from anatomy_helpers.lessons.optimizer import (
     IMPLEMENTATIONS,
     TABLE_SETUPS,
+    BytesPerParam,
     MasterWeightAdamW,
     Setup,
     build_optimizer,
     bytes_per_param,
     format_bytes_per_param,
-    largest_tensor_bytes,
     measure_setup,
     optimizer_bars,
-    optimizer_phase,
     plot_bytes_per_param,
-    plot_optimizer_phase,
-    state_bytes_by_key,
 )
 from anatomy_helpers.plots import CourseFigure
+from anatomy_helpers.tensors import largest_tensor_bytes, state_bytes_by_key
+from anatomy_helpers.units import MiB
 
-from .conftest import SMALL, storage_bytes
-
-matplotlib.use("Agg")
-
-
-def numel(model):
-    return sum(p.numel() for p in model.parameters())
+from .conftest import SMALL, numel, storage_bytes
 
 
 def tracked(name="adamw", implementation="single-tensor", steps=2):
@@ -40,6 +38,15 @@ def hyperparameters(opt):
     return {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "foreach", "fused")}
 
 
+def run_steps(model, opt, steps=3):
+    for s in range(steps):
+        x, y = get_batch(2, SMALL["seq_len"], step=s)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ---- the optimizers and their state --------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_build_optimizer_keeps_the_course_hyperparameters(name, implementation):
@@ -58,14 +65,49 @@ def test_build_optimizer_rejects_unknown_implementation():
         build_optimizer(make_model(device="cpu", **SMALL), "adamw", "vectorised")
 
 
-def run_steps(model, opt, steps=3):
-    for s in range(steps):
-        x, y = get_batch(2, SMALL["seq_len"], step=s)
-        model(x, y)[1].backward()
-        opt.step()
-        opt.zero_grad()
+def test_adam_state_is_twice_the_parameters_plus_a_step_scalar_each(small_run):
+    """The one test of "Adam keeps 2x the parameters": by state name, in the tracker, and its lazy birth."""
+    model, opt, trace = small_run
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    step_bytes = len(params) * torch.empty((), dtype=torch.float32).element_size()
+    assert state_bytes_by_key(opt) == {"step": step_bytes, "exp_avg": param_bytes, "exp_avg_sq": param_bytes}
+    ph1, ph2 = trace.optimizer_phase(1), trace.optimizer_phase(2)
+    assert ph1.state_before == 0  # nothing before the first step(): the state is created lazily inside it
+    assert ph1.state_after == ph2.state_before == ph2.state_after == 2 * param_bytes + step_bytes
+    assert ph1.extra_peak > 2 * param_bytes  # the state and the update's temporaries
+    assert ph2.extra_peak == ph2.temporaries > 0  # later steps: only temporaries come and go
+    backward_peaks = [trace.peak(step=s, phase="backward").bytes for s in (1, 2)]
+    assert backward_peaks[1] - backward_peaks[0] == ph1.state_after  # the same backward, now on top of the state
+    with pytest.raises(ValueError, match="no 'optimizer' phase"):
+        trace.optimizer_phase(4)
 
 
+def test_momentum_state_is_one_buffer_per_parameter():
+    model = make_model(device="cpu", **SMALL)
+    opt = build_optimizer(model, "momentum")
+    assert state_bytes_by_key(opt) == {}  # nothing before the first step
+    run_steps(model, opt, steps=1)
+    assert state_bytes_by_key(opt) == {"momentum_buffer": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def test_state_bytes_count_every_device_unless_one_is_named():
+    model = make_model(device="cpu", **SMALL)
+    opt = build_optimizer(model, "adamw", "fused")
+    run_steps(model, opt, steps=1)
+    every = state_bytes_by_key(opt)
+    assert every == state_bytes_by_key(opt, device="cpu") == state_bytes_by_key(opt, device=None)
+    assert every["step"] == 4 * len(list(model.parameters()))  # fused: one 4-byte float32 step per parameter
+    assert state_bytes_by_key(opt, device="meta") == dict.fromkeys(every, 0)
+
+
+def test_largest_tensor_bytes():
+    ts = [torch.zeros(3, dtype=torch.float32), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(2, 2)]
+    assert largest_tensor_bytes(ts) == 2 * 2 * 4
+    assert largest_tensor_bytes([]) == 0
+
+
+# ---- master weights ----------------------------------------------------------------------------------------------
 def test_master_weight_adamw_matches_torch_adamw_on_fp32():
     a, b = make_model(device="cpu", **SMALL), make_model(device="cpu", **SMALL)
     run_steps(a, torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1, foreach=False))
@@ -113,26 +155,15 @@ def test_master_weight_temporaries_are_the_fp32_gradients(keep):
     trace = track_steps(model, opt, steps=2, batch_size=2)
     largest_numel = max(p.numel() for p in model.parameters())
     expected = 4 * numel(model) if keep else 4 * largest_numel
-    assert optimizer_phase(trace, 2).temporaries == expected
+    assert trace.optimizer_phase(2).temporaries == expected
 
 
-def test_optimizer_phase_sees_lazy_state_and_no_growth_later():
-    model, opt, trace = tracked("adamw")
-    ph1, ph2 = optimizer_phase(trace, 1), optimizer_phase(trace, 2)
-    state = storage_bytes([v for s in opt.state.values() for v in s.values()])
-    assert ph1.state_before == 0 and ph1.state_after == state
-    assert ph2.state_before == ph2.state_after == state
-    assert ph2.extra_peak == ph2.temporaries > 0
-    assert ph1.extra_peak > state  # the state and the temporaries of the update
-    with pytest.raises(ValueError, match="no optimizer phase"):
-        optimizer_phase(trace, 3)
-
-
+# ---- temporaries and bytes per parameter -------------------------------------------------------------------------
 def test_temporaries_by_implementation():
     params = list(make_model(device="cpu", **SMALL).parameters())
     largest = max(p.numel() for p in params) * 4
     param_bytes = 4 * sum(p.numel() for p in params)
-    temps = {impl: optimizer_phase(tracked("adamw", impl)[2], 2).temporaries for impl in IMPLEMENTATIONS}
+    temps = {impl: tracked("adamw", impl)[2].optimizer_phase(2).temporaries for impl in IMPLEMENTATIONS}
     assert temps["foreach"] == param_bytes  # the sqrt of every exp_avg_sq at once
     assert 2 * largest <= temps["single-tensor"] <= 3 * largest
     assert temps["fused"] == 0
@@ -140,7 +171,7 @@ def test_temporaries_by_implementation():
 
 def test_optimizer_that_allocates_nothing_peaks_just_before_step():
     model, _, trace = tracked("sgd")
-    ph = optimizer_phase(trace, 2)
+    ph = trace.optimizer_phase(2)
     assert ph.peak_index == ph.start - 1
     assert ph.temporaries == ph.extra_peak == 0
     assert ph.peak["gradients"] == 4 * numel(model)
@@ -149,9 +180,10 @@ def test_optimizer_that_allocates_nothing_peaks_just_before_step():
 def test_bytes_per_param_fp32_adamw():
     model, opt, trace = tracked("adamw", "fused")
     n, n_tensors = numel(model), len(list(model.parameters()))
+    assert storage_bytes(model.buffers()) > 0  # the attention masks, which the weights must leave out
     row = bytes_per_param(trace, model, label="fused")
     assert row.num_params == n and row.label == "fused"
-    assert row.weights == 4 and row.gradients == 4  # the attention-mask buffers are left out
+    assert row.weights == 4 and row.gradients == 4
     assert row.optimizer_state * n == 8 * n + 4 * n_tensors  # exp_avg + exp_avg_sq + one 4-byte step each
     assert row.temporaries == 0
     assert row.as_bytes() == {"weights": 4 * n, "gradients": 4 * n, "optimizer_state": 8 * n + 4 * n_tensors,
@@ -167,14 +199,6 @@ def test_measure_setup_mixed_precision_is_20_bytes_with_fp32_grads():
     assert row.total == 20
 
 
-def test_state_bytes_by_key():
-    model = make_model(device="cpu", **SMALL)
-    opt = build_optimizer(model, "momentum")
-    run_steps(model, opt, steps=1)
-    assert state_bytes_by_key(opt) == {"momentum_buffer": 4 * numel(model)}
-    assert state_bytes_by_key(opt, device="meta") == {"momentum_buffer": 0}
-
-
 def test_setup_validation_and_table_labels():
     with pytest.raises(ValueError, match="AdamW only"):
         Setup("x", optimizer="sgd", master_weights=True).build(device="cpu", **SMALL)
@@ -184,27 +208,40 @@ def test_setup_validation_and_table_labels():
     assert len({s.label for s in TABLE_SETUPS}) == len(TABLE_SETUPS)
 
 
-def test_largest_tensor_bytes():
-    ts = [torch.zeros(3, dtype=torch.float32), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(2, 2)]
-    assert largest_tensor_bytes(ts) == 16
-    assert largest_tensor_bytes([]) == 0
+def test_format_bytes_per_param_writes_one_row_per_setup():
+    rows = [
+        BytesPerParam("fp32, SGD", 1000, 4.0, 4.0, 0.0, 0.0),
+        BytesPerParam("a much longer setup label", 1000, 2.0, 2.0, 12.0, 0.333),
+    ]
+    lines = format_bytes_per_param(rows).splitlines()
+    assert lines[0].split()[:2] == ["setup", "weights"] and lines[0].endswith("(bytes per parameter)")
+    assert set(lines[1]) == {"-"} and len(lines) == 2 + len(rows)
+    assert lines[2].startswith("fp32, SGD ") and lines[2].split()[-5:] == ["4.00", "4.00", "0.00", "0.00", "8.00"]
+    assert lines[3].startswith("a much longer setup label ")
+    assert lines[3].split()[-5:] == ["2.00", "2.00", "12.00", "0.33", "16.33"]  # total = 2 + 2 + 12 + 0.333
+    assert len({len(line) for line in lines[2:]}) == 1  # the columns line up whatever the label
 
 
-def test_plots_return_course_figures(capsys):
-    import matplotlib.pyplot as plt
+# ---- figures -----------------------------------------------------------------------------------------------------
+def test_plot_bytes_per_param_stacks_the_four_parts():
+    rows = [BytesPerParam("a", 10, 4.0, 4.0, 8.0, 0.0), BytesPerParam("b", 10, 2.0, 2.0, 12.0, 4.0)]
+    fig = plot_bytes_per_param(rows)
+    ax = fig.axes[0]
+    assert isinstance(fig, CourseFigure) and "bytes per parameter" in ax.get_xlabel()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
+    widths = sorted(round(p.get_width(), 6) for p in ax.patches)
+    assert widths == sorted([4.0, 4.0, 8.0, 0.0, 2.0, 2.0, 12.0, 4.0])
+    assert plt.get_fignums() == []
 
-    model, _, trace = tracked("adamw")
-    fig = plot_optimizer_phase(trace, steps=(1, 2))
-    assert isinstance(fig, CourseFigure) and len(fig.axes) == 2
-    fig = plot_optimizer_phase({"a": trace, "b": trace}, steps=(2,))
-    assert [ax.get_title() for ax in fig.axes] == ["a: step 2", "b: step 2"]
-    row = bytes_per_param(trace, model, label="adamw")
-    fig = plot_bytes_per_param([row, row])
-    assert isinstance(fig, CourseFigure) and "bytes per parameter" in fig.axes[0].get_xlabel()
-    table = format_bytes_per_param([row])
-    assert "adamw" in table and f"{row.total:.2f}" in table
+
+def test_optimizer_bars_prints_and_plots_every_optimizer(capsys):
     fig = optimizer_bars(d_model=32, n_layer=1, batch_size=2, seq_len=16, device="cpu")
     assert isinstance(fig, CourseFigure) and "MiB" in fig.axes[0].get_ylabel()
-    out = capsys.readouterr().out
-    assert all(name in out for name in ("sgd", "momentum", "adam", "adamw"))
+    lines = capsys.readouterr().out.splitlines()
+    params = list(make_model(device="cpu", d_model=32, n_layer=1, n_head=4, seq_len=16).parameters())
+    n = sum(p.numel() for p in params)
+    assert lines[0] == f"{n:,} parameters = {4 * n / MiB:.2f} MiB in fp32; single-tensor implementation"
+    assert [line.split()[0] for line in lines[1:]] == ["sgd", "momentum", "adam", "adamw"]
+    adamw_state = 8 * n + 4 * len(params)  # exp_avg and exp_avg_sq in fp32, and a 4-byte step per tensor
+    assert f"optimizer state {adamw_state / MiB:.2f};" in lines[-1]
     assert plt.get_fignums() == []  # no pyplot figure left open
