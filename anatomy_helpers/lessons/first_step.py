@@ -64,18 +64,6 @@ def optimizer_state_births(trace: Trace, step: int = 1) -> tuple[int, int]:
 # ---- section 2: the caching allocator, simulated ------------------------------------------------
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def format_replay_summary(result: Replay) -> str:
     """Per step of a replay: segments created, reserved at the end and at the peak, allocated peak,
     and the gap between reserved and allocated at the step's allocated peak (cached but unused), in MiB."""
@@ -207,60 +195,6 @@ def plot_segment_map(sim: CachingAllocatorSim, categories: Iterable[int] | None 
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="cached, free"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="block", title_fontsize=8)
     return fig
-
-
-
-
-
-
-
-
-# ---- section 3: a budget that step 1 fits and step 2 does not -----------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# ---- on a GPU: the real caching allocator --------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ---- slider panels ----------------------------------------------------------------------------------
