@@ -21,15 +21,16 @@ The rules modelled (from c10/cuda/CUDACachingAllocator.cpp). All sizes are bytes
 * a block bigger than the request is split if the remainder is >= 512 B (small
   pool) or > 1 MiB (large pool); otherwise the whole block is handed out, and
   counts in ``allocated`` at its full size (as ``memory_allocated()`` does);
-* a freed block merges with free neighbours in its segment. Segments are only
-  given back to CUDA by :meth:`CachingAllocatorSim.empty_cache`, and only the
-  ones that are entirely free.
+* a freed block merges with free neighbours in its segment. Entirely free segments
+  are given back to CUDA by :meth:`CachingAllocatorSim.empty_cache`, and also when a
+  cudaMalloc fails or would go over a memory-fraction cap: the allocator then frees
+  its cached segments and retries (:class:`LimitedAllocatorSim` models the cap).
 
 What it leaves out: streams and events (one stream, blocks are reusable at once),
 expandable segments, ``max_split_size_mb`` (unlimited by default, so oversize
 blocks never exist), ``roundup_power2_divisions``, the garbage collection
-threshold, CUDA graph pools, and running out of memory (cudaMalloc always
-succeeds here, so the free-cached-blocks-and-retry path never runs).
+threshold, CUDA graph pools, and running out of device memory (cudaMalloc never
+fails here for lack of memory; only :class:`LimitedAllocatorSim`'s cap stops it).
 
 Replaying a CPU trace tells you what the allocator would do with *those*
 tensors; on a GPU some kernels allocate different workspaces (cuBLAS, cuDNN) and

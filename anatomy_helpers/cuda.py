@@ -44,9 +44,10 @@ def cuda_release(device=None) -> None:
 
 
 def cuda_warm_up(device=None, batch_size: int = 2, **model_config) -> None:
-    """One untracked training step on a throwaway model, then free it: creates the cuBLAS handle and its
-    workspace (allocated through the caching allocator and kept for the life of the process), so later
-    measurements start warm. The workspace stays reserved; everything else is released."""
+    """One untracked training step on a throwaway model, then free it: creates the cuBLAS handles and their
+    workspaces (one per thread and stream: forward's, and backward's on autograd's own thread; allocated through
+    the caching allocator and kept for the life of the process), so later measurements start warm. The
+    workspaces stay reserved; everything else is released."""
     dev = _cuda_device(device)
     model = make_model(device=dev, **model_config)
     opt = make_optimizer(model, "adamw")
@@ -179,7 +180,7 @@ def cuda_step_stats(
 ) -> list[CudaStats]:
     """Per step of a fresh model on the GPU (no limit): ``max_memory_allocated`` / ``max_memory_reserved``
     since the step began (``reset_peak_memory_stats`` before each), the counters at its end and the
-    cudaMallocs it made. Absolute bytes, as the allocator reports them. Returns a list of dicts."""
+    cudaMallocs it made. Absolute bytes, as the allocator reports them. Returns one :class:`CudaStats` per step."""
     run = cuda_run_under_limit(
         None, steps=steps, batch_size=batch_size, optimizer=optimizer, device=device, **model_config
     )
@@ -293,8 +294,9 @@ def cuda_reserved_check(
 ) -> list[SimVsReal]:
     """The simulator against the real caching allocator on a warm GPU, at the end of each step (bytes).
 
-    First a warm-up step on a throwaway model: the first matmul creates the cuBLAS handle and its workspace,
-    allocated through the caching allocator and kept for good, which the tracker cannot see (it is no
+    First a warm-up step on a throwaway model: the first matmuls create the cuBLAS handles and their workspaces
+    (one per thread and stream, so forward and backward each get one), allocated through the caching allocator
+    and kept for good, which the tracker cannot see (it is no
     tensor) and the simulator therefore cannot replay. Then ``gc`` + ``empty_cache`` and ``memory_reserved()``
     is read: what the process holds before the model exists (the workspace, anything else alive). A fresh
     model is built (its parameters are the replay's first rows) and ``steps`` steps are tracked. Per step:
