@@ -16,14 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from .checkpointing import attention_core, check_policy, run_blocks
 from .data import get_tokenizer, max_seq_len
 from .formulas import param_count
 
 ATTENTION_IMPLS = ("manual", "sdpa")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-CHECKPOINT_MODES = ("none", "full")
 
 
 @dataclass
@@ -37,7 +36,8 @@ class ModelConfig:
     dropout: float = 0.0  # attention and residual dropout; off by default
     dtype: str = "float32"  # "float32" or "bfloat16" (bf16 works on CPU too)
     attn_impl: str = "manual"  # "manual" keeps the (B, a, s, s) scores; "sdpa" fuses them away
-    checkpoint: str = "none"  # activation checkpointing per block: "none" or "full"
+    checkpoint: str = "none"  # activation checkpointing: none, full, every_k, selective, attention, offload
+    checkpoint_every: int = 1  # with "every_k": blocks per checkpointed segment (1..n_layer)
 
     def __post_init__(self):
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "mlp_ratio"):
@@ -67,8 +67,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"ModelConfig.checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+        check_policy(self.checkpoint, self.checkpoint_every, self.n_layer)  # see checkpointing.py
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -117,17 +116,21 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        y = attention_core(self.attend, q, k, v, policy=self.cfg.checkpoint)  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_drop(self.proj(y))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v, causal: the part whose memory grows with seq_len squared."""
+        T, D = q.shape[2], q.shape[3]
         if self.cfg.attn_impl == "manual":
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, T): the quadratic term
             att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
             att = F.softmax(att, dim=-1)  # (B, H, T, T), saved for backward
             att = self.attn_drop(att)
-            y = att @ v  # (B, H, T, D)
-        else:
-            p = self.cfg.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
-        return self.resid_drop(self.proj(y))
+            return att @ v  # (B, H, T, D)
+        p = self.cfg.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
 
 
 class MLP(nn.Module):
@@ -190,13 +193,6 @@ class GPT(nn.Module):
         """Number of parameters, each shared tensor counted once."""
         return sum(p.numel() for p in self.parameters())
 
-    def run_block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
-        """Run one block; the hook point for activation checkpointing."""
-        if self.cfg.checkpoint == "full" and torch.is_grad_enabled():
-            # Keep only the block's input; recompute its insides during backward.
-            return checkpoint(block, x, use_reentrant=False)
-        return block(x)
-
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids. Returns (logits (B, T, V), loss or None)."""
         B, T = idx.shape
@@ -204,8 +200,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds ModelConfig.seq_len={self.cfg.seq_len}")
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = self.run_block(block, x)
+        x = run_blocks(self.blocks, x, self.cfg.checkpoint, self.cfg.checkpoint_every)  # (B, T, C)
         x = self.ln_f(x)  # (B, T, C)
         logits = self.lm_head(x)  # (B, T, V)
         loss = None

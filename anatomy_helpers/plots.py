@@ -21,7 +21,9 @@ CATEGORY_COLORS = {
     "gradients": "#E69F00",  # orange
     "inputs": "#56B4E9",  # sky blue
     "activations": "#D55E00",  # vermillion
+    "recomputed": "#F0E442",  # yellow: activations made again in backward (checkpointing)
     "temporaries": "#CC79A7",  # reddish purple
+    "kernel_scratch": "#666666",  # dark grey: inside one kernel, no tensor (torch.profiler: "unknown")
 }
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
 PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}
@@ -45,12 +47,15 @@ def _new_axes(ax, figsize):
 
 
 def stack_categories(ax, xs, bytes_by_category: np.ndarray, scale: float) -> None:
-    """Stacked areas of ``bytes_by_category`` (n_samples x len(CATEGORIES), bytes) divided by ``scale``."""
+    """Stacked areas of ``bytes_by_category`` (n_samples x len(CATEGORIES), bytes) divided by ``scale``.
+
+    Categories that stay at 0 bytes throughout are left out (of the plot and its legend)."""
+    shown = [j for j, _ in enumerate(CATEGORIES) if bytes_by_category[:, j].any()]
     ax.stackplot(
         xs,
-        *(bytes_by_category[:, j] / scale for j in range(len(CATEGORIES))),
-        colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
-        labels=[CATEGORY_LABELS[c] for c in CATEGORIES],
+        *(bytes_by_category[:, j] / scale for j in shown),
+        colors=[CATEGORY_COLORS[CATEGORIES[j]] for j in shown],
+        labels=[CATEGORY_LABELS[CATEGORIES[j]] for j in shown],
         step="post",
         linewidth=0,
     )

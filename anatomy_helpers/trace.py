@@ -15,228 +15,47 @@ Bytes everywhere; exact on CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
 from functools import cached_property
 
 import numpy as np
 
+from .records import (  # noqa: F401  (re-exported: the vocabulary every module imports from here)
+    ACTIVATIONS,
+    BACKWARD,
+    CATEGORIES,
+    EMBEDDINGS,
+    FORWARD,
+    GRADIENTS,
+    HEAD,
+    IDLE,
+    INPUTS,
+    KERNEL_SCRATCH,
+    NO_MODULE,
+    OPT_STEP,
+    OPT_ZERO_GRAD,
+    OPTIMIZER,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+    PHASES,
+    RECOMPUTED,
+    ROOT,
+    TEMPORARIES,
+    AllocationRecord,
+    CudaMark,
+    LiveAllocation,
+    OptimizerPhase,
+    Peak,
+    PhaseMark,
+    PhaseSummary,
+    SavedTensor,
+    Timeline,
+    _check_phase,
+    model_part,
+    model_parts,
+)
 from .tables import Col, format_table
 from .units import MiB, round_up
-
-# Lower index wins when a storage qualifies twice: a weight saved for backward
-# stays a parameter, the token ids saved by the embedding stay inputs.
-CATEGORIES = ("parameters", "optimizer_state", "gradients", "inputs", "activations", "temporaries")
-PARAMETERS, OPTIMIZER_STATE, GRADIENTS, INPUTS, ACTIVATIONS, TEMPORARIES = range(len(CATEGORIES))
-PHASES = ("idle", "forward", "backward", "optimizer")
-IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
-
-# Module names used outside the model's own modules.
-NO_MODULE, ROOT, OPT_STEP, OPT_ZERO_GRAD = "-", "model", "optimizer.step", "optimizer.zero_grad"
-
-# The parts of the course GPT, in the order forward runs them.
-EMBEDDINGS, HEAD = "embeddings", "head"
-_EMBEDDING_MODULES = ("tok_emb", "pos_emb", "drop")
-_HEAD_MODULES = ("ln_f", "lm_head", ROOT)  # the root's own ops: the loss
-
-
-def model_part(module_name: str) -> str | None:
-    """The part of the course GPT a module belongs to: ``"embeddings"``, ``"blocks.<i>"`` or ``"head"``.
-
-    ``"blocks.2.mlp.fc"`` -> ``"blocks.2"``; ``"tok_emb"`` -> ``"embeddings"``; ``"ln_f"``, ``"lm_head"``
-    and the root ``"model"`` (where the loss is computed) -> ``"head"``. Names outside the model
-    (``"-"``, ``"optimizer.step"`` ...) give None.
-    """
-    parts = module_name.split(".")
-    if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
-        return f"blocks.{parts[1]}"
-    if parts[0] in _EMBEDDING_MODULES:
-        return EMBEDDINGS
-    if parts[0] in _HEAD_MODULES:
-        return HEAD
-    return None
-
-
-def model_parts(n_layer: int) -> list[str]:
-    """The parts in forward order: embeddings, blocks.0 .. blocks.<n_layer-1>, head."""
-    return [EMBEDDINGS, *(f"blocks.{i}" for i in range(n_layer)), HEAD]
-
-
-def _check_phase(phase: str | None) -> None:
-    if phase is not None and phase not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-
-
-# ---- typed records --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PhaseMark:
-    """A phase change: from timeline sample ``index`` on, the tracker was in ``phase`` of ``step``."""
-
-    index: int
-    time_s: float  # seconds since tracking began
-    step: int
-    phase: str
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """One tensor autograd saved for backward, as the tracker saw it being packed."""
-
-    step: int
-    module: str  # the module running when it was saved
-    shape: tuple
-    dtype: object  # torch.dtype
-    bytes: int  # the saved view's own bytes
-    storage: int  # allocation id: several saved views may share one storage
-    storage_bytes: int  # the whole storage, what the tracker counts
-    category: str  # what the storage turned out to be (a weight saved for backward stays a parameter)
-
-
-@dataclass(frozen=True)
-class CudaMark:
-    """The CUDA caching allocator's own counters (bytes) just before timeline sample ``index``."""
-
-    index: int  # -1: when tracking began
-    allocated: int  # memory_allocated()
-    reserved: int  # memory_reserved()
-    requested: int  # what the tensors asked for, before rounding
-
-
-@dataclass
-class AllocationRecord:
-    """Every allocation and free in order, one row each (numpy columns of equal length).
-
-    ``sample`` is the timeline index (-1 for storages already alive when tracking began),
-    ``bytes`` is positive for an allocation and negative for a free, ``category`` an index into
-    CATEGORIES, ``step`` 0 for the rows alive at the start, ``phase`` an index into PHASES.
-    """
-
-    sample: np.ndarray
-    time_s: np.ndarray
-    alloc_id: np.ndarray
-    bytes: np.ndarray
-    category: np.ndarray
-    step: np.ndarray
-    phase: np.ndarray
-
-    def __post_init__(self):
-        lengths = {name: len(getattr(self, name)) for name in self.__dataclass_fields__}
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"an allocation record's columns must have one length each, got {lengths}")
-
-    def __len__(self) -> int:
-        return len(self.bytes)
-
-    def rows_through(self, step: int | None) -> int:
-        """How many rows belong to steps up to ``step`` (all of them for None)."""
-        return len(self) if step is None else int(np.searchsorted(self.step, step + 1))
-
-    def head(self, rows: int) -> AllocationRecord:
-        """The first ``rows`` rows."""
-        return AllocationRecord(**{name: getattr(self, name)[:rows] for name in self.__dataclass_fields__})
-
-    def where(
-        self, *, step: int | None = None, phase: str | None = None, category: str | None = None, allocations=False
-    ) -> np.ndarray:
-        """Boolean mask of the rows recorded during tracking (not the baseline) that match every filter given.
-
-        ``allocations``: only rows that allocate (positive bytes).
-        """
-        _check_phase(phase)
-        mask = self.sample >= 0
-        if step is not None:
-            mask &= self.step == step
-        if phase is not None:
-            mask &= self.phase == PHASES.index(phase)
-        if category is not None:
-            mask &= self.category == CATEGORIES.index(category)
-        if allocations:
-            mask &= self.bytes > 0
-        return mask
-
-
-@dataclass
-class Peak:
-    """The largest total of tracked bytes in a window, and what made it up."""
-
-    bytes: int
-    index: int  # sample index in the trace's timeline
-    step: int
-    phase: str
-    module: str
-    breakdown: dict[str, int]  # bytes per category at the peak
-
-    def __str__(self) -> str:
-        return f"{self.bytes / MiB:.2f} MiB at step {self.step}, {self.phase}, in {self.module}"
-
-
-@dataclass
-class Timeline:
-    """One sample per allocation or free: a columnar table of numpy arrays.
-
-    ``bytes[i, c]`` is the number of live bytes of category ``CATEGORIES[c]``
-    after sample ``i``; ``total`` is their sum.
-    """
-
-    time_s: np.ndarray  # seconds since tracking began
-    step: np.ndarray
-    phase: np.ndarray  # index into PHASES
-    module: np.ndarray  # index into module_names
-    bytes: np.ndarray  # (n_samples, n_categories)
-    module_names: list[str]
-    cuda_allocated: np.ndarray | None = None  # torch.cuda.memory_allocated() per sample
-    cuda_reserved: np.ndarray | None = None  # torch.cuda.memory_reserved() per sample
-    total: np.ndarray = field(init=False)  # (n_samples,) computed once
-
-    def __post_init__(self):
-        self.total = self.bytes.sum(axis=1)
-
-    def __len__(self) -> int:
-        return len(self.step)
-
-    def category(self, name: str) -> np.ndarray:
-        """Bytes of one category over the samples."""
-        if name not in CATEGORIES:
-            raise ValueError(f"category must be one of {CATEGORIES}, got {name!r}")
-        return self.bytes[:, CATEGORIES.index(name)]
-
-
-@dataclass
-class PhaseSummary:
-    step: int
-    phase: str
-    start: int  # first sample index of the phase
-    end: int  # last sample index of the phase
-    peak: Peak
-    at_end: dict[str, int]  # bytes per category after the phase's last sample
-    dominant: str  # the category holding the most bytes at the phase's peak
-
-
-@dataclass
-class OptimizerPhase:
-    """What one step's optimizer phase (``optimizer.step()`` through ``zero_grad()``) did to memory (bytes)."""
-
-    step: int
-    start: int  # first sample index of the phase
-    end: int  # last sample index of the phase
-    state_before: int  # optimizer state just before the phase
-    state_after: int  # optimizer state at the end of the phase (after zero_grad)
-    temporaries: int  # temporaries at the phase peak, minus those alive just before the phase
-    extra_peak: int  # the phase's peak total minus the total just before the phase
-    peak: dict[str, int]  # bytes per category at the phase peak
-    peak_index: int  # sample of the phase peak (start - 1: the moment just before the phase)
-
-
-@dataclass(frozen=True)
-class LiveAllocation:
-    """One storage alive at a moment: its bytes, the module that allocated it, its category."""
-
-    bytes: int
-    module: str
-    category: str
-    alloc_id: int
-
 
 # ---- the trace ----------------------------------------------------------------------------------------------
 
@@ -267,6 +86,7 @@ class Trace:
         duration_s: float,
         cuda_at_entry: CudaMark | None = None,
         cuda_marks: list[CudaMark] | None = None,
+        kernel_scratch_recorded: bool = False,
     ):
         self.timeline = timeline
         self.alloc_category = alloc_category
@@ -282,9 +102,61 @@ class Trace:
         self.duration_s = duration_s
         self.cuda_at_entry = cuda_at_entry  # CUDA only: the allocator's counters when tracking began
         self.cuda_marks = cuda_marks or []  # CUDA only: ... and at every phase change
+        # Whether kernel scratch was measured (CPU, no other profiler running): if not, that category is 0
+        # because it is unknown, not because there was none.
+        self.kernel_scratch_recorded = kernel_scratch_recorded
         base = np.zeros(len(CATEGORIES), dtype=np.int64)
         np.add.at(base, alloc_category[baseline_ids], baseline_bytes)
         self.baseline: dict[str, int] = {c: int(b) for c, b in zip(CATEGORIES, base)}  # bytes when tracking began
+
+    @classmethod
+    def from_events(
+        cls,
+        *,
+        events: np.ndarray,
+        n_baseline: int,
+        start_ns: int,
+        alloc_category: np.ndarray,
+        module_names: list[str],
+        phase_marks: list[PhaseMark],
+        cuda_samples: np.ndarray | None = None,
+        cuda_marks: list[CudaMark] | None = None,
+        **fields,
+    ) -> Trace:
+        """A Trace from a recorder's event list.
+
+        ``events``: (n, 6) int64 rows of (time ns, allocation id, +/- bytes, step, phase, module), the first
+        ``n_baseline`` of them the storages alive when recording began. ``phase_marks`` and ``cuda_marks`` index
+        those rows (they are re-indexed to timeline samples here); ``cuda_samples``: (n, 2) memory_allocated /
+        memory_reserved per row, on CUDA. The other keyword arguments are the Trace's own.
+        """
+        base, ev = events[:n_baseline], events[n_baseline:]
+        deltas = np.zeros((len(ev), len(CATEGORIES)), dtype=np.int64)
+        deltas[np.arange(len(ev)), alloc_category[ev[:, 1]]] = ev[:, 2]
+        baseline = np.zeros(len(CATEGORIES), dtype=np.int64)
+        np.add.at(baseline, alloc_category[base[:, 1]], base[:, 2])
+        cuda = None if cuda_samples is None else cuda_samples[n_baseline:]
+        timeline = Timeline(
+            time_s=(ev[:, 0] - start_ns) / 1e9,
+            step=ev[:, 3].copy(),
+            phase=ev[:, 4].copy(),
+            module=ev[:, 5].copy(),
+            bytes=baseline + np.cumsum(deltas, axis=0),
+            module_names=module_names,
+            cuda_allocated=None if cuda is None else cuda[:, 0],
+            cuda_reserved=None if cuda is None else cuda[:, 1],
+        )
+        return cls(
+            timeline=timeline,
+            alloc_category=alloc_category,
+            alloc_ids=ev[:, 1].copy(),
+            alloc_deltas=ev[:, 2].copy(),
+            baseline_ids=base[:, 1].copy(),
+            baseline_bytes=base[:, 2].copy(),
+            phase_marks=[dataclasses.replace(m, index=m.index - n_baseline) for m in phase_marks],
+            cuda_marks=[dataclasses.replace(m, index=m.index - n_baseline) for m in cuda_marks or []],
+            **fields,
+        )
 
     # ---- windows ------------------------------------------------------------------------------------------
     @property
@@ -325,11 +197,30 @@ class Trace:
         return Peak(int(tl.total[i]), i, int(tl.step[i]), PHASES[tl.phase[i]], module, self.at(i))
 
     def peak(self, step: int | None = None, phase: str | None = None) -> Peak:
-        """The highest total in the given step and/or phase (the whole trace by default)."""
+        """The highest total in the given step and/or phase (the whole trace by default).
+
+        A phase's peak counts the memory it starts with (what the previous phase left alive) as its own: an
+        optimizer that allocates nothing, say, peaks at its first moment, before it frees anything.
+        """
+        if phase is not None:
+            runs = [ph.peak for ph in self._phases if ph.phase == phase and (step is None or ph.step == step)]
+            if runs:
+                return max(runs, key=lambda pk: pk.bytes)
         idx = self.window(step, phase)
         if len(idx) == 0:
             raise ValueError(f"no samples for step={step!r}, phase={phase!r}; steps recorded: {self.steps}")
         return self._peak_at(int(idx[np.argmax(self.timeline.total[idx])]))
+
+    def _phase_peak(self, start: int, end: int) -> Peak:
+        """The peak of the run of samples ``start..end``, counting the moment just before it."""
+        tl = self.timeline
+        first = max(start - 1, 0)
+        i = first + int(np.argmax(tl.total[first : end + 1]))
+        if i >= start:
+            return self._peak_at(i)
+        # the phase's first moment holds what the last phase left: named after the phase's first module
+        module = tl.module_names[tl.module[start]]
+        return Peak(int(tl.total[i]), i, int(tl.step[start]), PHASES[tl.phase[start]], module, self.at(i))
 
     @cached_property
     def _phases(self) -> list[PhaseSummary]:
@@ -341,7 +232,7 @@ class Trace:
         ends = np.r_[starts[1:] - 1, len(tl) - 1]
         out = []
         for s, e in zip(starts.tolist(), ends.tolist()):
-            peak = self._peak_at(s + int(np.argmax(tl.total[s : e + 1])))
+            peak = self._phase_peak(s, e)
             dominant = max(peak.breakdown, key=peak.breakdown.get)
             out.append(PhaseSummary(peak.step, peak.phase, s, e, peak, self.at(e), dominant))
         return out
@@ -463,14 +354,20 @@ class Trace:
         d = self.alloc_deltas
         return self.replay_baseline(round_to) + np.cumsum(np.sign(d) * round_up(np.abs(d), round_to))
 
+    def categories_present(self) -> list[str]:
+        """The categories that hold bytes at some moment of the trace (the rest are left out of tables)."""
+        held = self.timeline.bytes.max(axis=0) if len(self.timeline) else np.zeros(len(CATEGORIES))
+        return [c for c, b, base in zip(CATEGORIES, held, self.baseline.values()) if b or base]
+
     # ---- printing -------------------------------------------------------------------------------------------
     def table(self) -> str:
         """Phase x category table in MiB; each row is the moment of that phase's peak."""
+        shown = self.categories_present()
         cols = [Col("step", 4), Col("phase", 9, align="<")]
-        cols += [Col(c.replace("_", " "), 15 if c == "optimizer_state" else 11, ".2f") for c in CATEGORIES]
+        cols += [Col(c.replace("_", " "), max(11, len(c)), ".2f") for c in shown]
         cols += [Col("total", 9, ".2f"), Col("peak in", 20, align="<", gap="  ")]
         rows = [
-            (ph.step, ph.phase, *(ph.peak.breakdown[c] / MiB for c in CATEGORIES), ph.peak.bytes / MiB, ph.peak.module)
+            (ph.step, ph.phase, *(ph.peak.breakdown[c] / MiB for c in shown), ph.peak.bytes / MiB, ph.peak.module)
             for ph in self._phases
             if ph.phase != "idle"
         ]
