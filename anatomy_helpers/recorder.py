@@ -39,6 +39,8 @@ from .tensors import optimizer_state_tensors
 from .trace import Trace
 from .units import MiB
 
+_now = time.perf_counter_ns
+
 
 class MemoryBudgetExceeded(RuntimeError):
     """Live tracked bytes went over the tracker's ``budget_bytes``: a simulated out-of-memory.
@@ -85,6 +87,7 @@ class Recorder:
         self._start_ns = time.perf_counter_ns()
         self._cuda_marks: list[tuple[int, int, int, int]] = []  # (sample, allocated, reserved, requested)
         self._cuda_at_entry = self._cuda_counters() if self._cuda else (0, 0, 0)
+        self._aliasing: dict[int, bool] = {}  # id(op) -> whether its outputs alias its inputs
         self._windows: list[tuple[int, int, int, int, int, int]] = []  # per op: start, end ns, event index, context
         self._memory_events: list = []  # the allocator's events, once the memory session has stopped
         self._scratch_recorded = False
@@ -188,7 +191,7 @@ class Recorder:
 
     def _record(self, aid: int, delta: int, module: int) -> None:
         self._live_bytes += delta
-        self._events.append((time.perf_counter_ns(), aid, delta, self._step, self._phase, module))
+        self._events.append((_now(), aid, delta, self._step, self._phase, module))
         if self._cuda:
             self._cuda_samples.append(
                 (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))

@@ -317,7 +317,9 @@ class StepTracker(Recorder):
             self._module = self._code(ROOT)
         # Views, in-place and out= ops return memory that already existed: a storage first seen
         # there was allocated before tracking began (a slice of the dataset, say), not by this op.
-        aliases = returns_alias(func)
+        aliases = self._aliasing.get(id(func))  # keyed by id: an OpOverload hashes in Python, slowly
+        if aliases is None:
+            aliases = self._aliasing[id(func)] = returns_alias(func)
         if isinstance(out, torch.Tensor):
             self._aid(out, new=not aliases)
         elif isinstance(out, (tuple, list)):

@@ -1,35 +1,32 @@
-"""What does tracking cost? Times one training step of the default model four ways and prints ratios.
+"""What does tracking cost? Times one training step of the default model several ways and prints ratios.
 
-    python benchmarks/tracker_overhead.py [--repeats 7]
+    python benchmarks/tracker_overhead.py [--repeats 15]
 
-Each variant runs warm steps (Adam state already created), interleaved; the figure is the median step time.
-The step time includes entering and leaving each tool (StepTracker builds its Trace on exit).
-Target for StepTracker: tracked / untracked <= 1.3x.
+Each variant runs warm steps (Adam state already created), interleaved round-robin so a machine that gets busier
+or quieter affects every variant alike; the figure is the median. The time of a variant is the whole ``with``
+block: entering the tool, the step, and leaving it (the StepTracker builds its Trace on exit, the profiler stops
+and, in the "+ export" variant, writes its memory timeline).
+Target: StepTracker (with kernel scratch, the default) <= 1.15x untracked.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import os
 import statistics
+import tempfile
 import time
 import warnings
 
 import torch
 
 from anatomy_helpers import StepTracker, get_batch, make_model, make_optimizer, train_step
-
-
-def step_s(model, opt, batch, wrap) -> float:
-    with wrap():
-        start = time.perf_counter()
-        train_step(model, opt, *batch)
-        return time.perf_counter() - start
+from anatomy_helpers.scratch import quiet_stderr
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps per variant (default: 7)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps per variant (default: 15)")
     args = parser.parse_args()
 
     model = make_model(device="cpu")
@@ -37,45 +34,62 @@ def main() -> None:
     batches = [get_batch(8, model.cfg.seq_len, step=i) for i in range(args.repeats)]
     for x, y in batches[:2]:  # warm-up: Adam state, allocator and thread pools
         train_step(model, opt, x, y)
+    out_dir = tempfile.mkdtemp()
 
-    def tracked():
-        return StepTracker(model, opt)
+    def plain(batch):
+        train_step(model, opt, *batch)
 
-    def profiled():
+    def tracked(batch, kernel_scratch=True):
+        with StepTracker(model, opt, kernel_scratch=kernel_scratch) as tracker:
+            train_step(model, opt, *batch)
+        assert tracker.trace.peak().bytes > 0
+
+    def profiled(batch, export=False):
         from torch.profiler import ProfilerActivity, profile
 
-        return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+            train_step(model, opt, *batch)
+        if export:
+            p.export_memory_timeline(os.path.join(out_dir, "timeline.json"), device="cpu")
 
-    variants = {"untracked": contextlib.nullcontext, "StepTracker": tracked, "torch.profiler": profiled}
+    variants = {
+        "untracked": plain,
+        "StepTracker": tracked,
+        "StepTracker, no kernel scratch": lambda b: tracked(b, kernel_scratch=False),
+        "torch.profiler (collect)": profiled,
+        "torch.profiler + export_memory_timeline": lambda b: profiled(b, export=True),
+    }
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
 
-        def mem_tracker():
+        def mem_tracker(batch):
             mt = MemTracker()
             mt.track_external(model, opt)
-            return mt
+            with mt:
+                train_step(model, opt, *batch)
 
         variants["MemTracker"] = mem_tracker
     except ImportError:
         pass
 
-    # Round-robin, so a machine that gets busier or quieter during the run affects every variant alike.
-    times = {name: [] for name in variants}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with warnings.catch_warnings(), quiet_stderr():
+        warnings.simplefilter("ignore")  # export_memory_timeline is deprecated (FutureWarning)
         for batch in batches:
-            for name, wrap in variants.items():
-                times[name].append(step_s(model, opt, batch, wrap))
+            for name, run in variants.items():
+                start = time.perf_counter()
+                run(batch)
+                times[name].append(time.perf_counter() - start)
     results = {name: statistics.median(ts) for name, ts in times.items()}
     base = results["untracked"]
     print(
         f"default model, batch 8 x {model.cfg.seq_len}, AdamW, {torch.get_num_threads()} threads, "
-        f"median of {args.repeats} warm steps"
+        f"median of {args.repeats} warm steps (enter + step + exit)"
     )
     for name, t in results.items():
-        print(f"{name:>15}: {t * 1e3:7.1f} ms per step   {t / base:5.2f}x untracked")
-    verdict = "meets" if results["StepTracker"] / base <= 1.3 else "MISSES"
-    print(f"StepTracker {verdict} the 1.3x target")
+        print(f"{name:>40}: {t * 1e3:7.1f} ms per step   {t / base:5.2f}x untracked")
+    ratio = results["StepTracker"] / base
+    print(f"StepTracker {'meets' if ratio <= 1.15 else 'MISSES'} the 1.15x target ({ratio:.2f}x)")
 
 
 if __name__ == "__main__":
