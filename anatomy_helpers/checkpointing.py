@@ -100,14 +100,20 @@ def _run_segment(blocks, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def run_blocks(blocks, x: torch.Tensor, policy: str, every: int = 1) -> torch.Tensor:
-    """Run ``blocks`` in order on ``x`` (B, T, C) under a checkpointing ``policy``; returns the output."""
-    if policy in ("none", "attention") or not torch.is_grad_enabled():
-        return _run_segment(blocks, x)  # "attention" checkpoints inside each block (see attention_core)
-    if policy == "offload":
-        on_gpu = x.device.type != "cpu"
-        with torch.autograd.graph.save_on_cpu(pin_memory=True) if on_gpu else nullcontext():
-            return _run_segment(blocks, x)
+def recomputes_blocks(policy: str) -> bool:
+    """Whether ``policy`` checkpoints whole blocks (run them with :func:`run_checkpointed`)."""
+    return policy in ("full", "every_k", "selective")
+
+
+def offload_context(policy: str, device: torch.device):
+    """``save_on_cpu`` for the "offload" policy on a GPU; a context that does nothing otherwise."""
+    if policy == "offload" and device.type != "cpu":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return nullcontext()  # on a CPU the activations already live in host memory
+
+
+def run_checkpointed(blocks, x: torch.Tensor, policy: str, every: int = 1) -> torch.Tensor:
+    """Run ``blocks`` in order on ``x`` (B, T, C) under a block-checkpointing ``policy``; returns the output."""
     if policy == "selective":
         for block in blocks:
             keep_for_backward(x)  # the block's input, kept by the checkpoint itself

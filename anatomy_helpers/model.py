@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpointing import attention_core, check_policy, run_blocks
+from .checkpointing import attention_core, check_policy, offload_context, recomputes_blocks, run_checkpointed
 from .data import get_tokenizer, max_seq_len
 from .formulas import param_count
 
@@ -200,7 +200,14 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds ModelConfig.seq_len={self.cfg.seq_len}")
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        x = run_blocks(self.blocks, x, self.cfg.checkpoint, self.cfg.checkpoint_every)  # (B, T, C)
+        policy = self.cfg.checkpoint  # what the blocks keep for backward: see checkpointing.py
+        if recomputes_blocks(policy) and torch.is_grad_enabled():
+            x = run_checkpointed(self.blocks, x, policy, self.cfg.checkpoint_every)  # (B, T, C)
+        else:
+            with offload_context(policy, x.device):
+                for block in self.blocks:
+                    x = block(x)  # (B, T, C); nothing else holds the previous x, so it can be freed
+
         x = self.ln_f(x)  # (B, T, C)
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
