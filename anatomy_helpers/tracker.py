@@ -53,6 +53,7 @@ from .trace import (
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
 _time_ns = time.time_ns  # the clock the profiler's memory events are stamped with
 _MISSING = object()
+_OUTSIDE = 0  # module code of NO_MODULE: allocated while no module of the model was running (see _reset_records)
 
 
 class _OpWatcher(TorchDispatchMode):
@@ -328,8 +329,11 @@ class StepTracker(Recorder):
                     self._aid(o, new=not aliases)
 
     def _pack(self, t: torch.Tensor):
-        aid = self._mark(t, ACTIVATIONS) if self._active else None
+        aid = self._aid(t) if self._active else None
         if aid is not None:
+            # Data made outside any module before the forward (targets handed straight to a loss, say) and only
+            # read by it is an input, not an activation the model produced.
+            self._mark(t, INPUTS if self._a_module[aid] == _OUTSIDE else ACTIVATIONS)
             self._saved.append((self._step, self._module, tuple(t.shape), t.dtype, t.nbytes, aid))
         # Keep a detached alias, not t itself: when a node saves its own output, holding t (whose grad_fn
         # holds this pack) would make a reference cycle that outlives a graph nobody backpropagates.

@@ -383,3 +383,19 @@ def test_on_device_matches_the_type_and_the_index_only_when_given():
     assert not on_device(on_gpu0, "cpu") and on_device(on_gpu0, None)
     cpu = torch.ones(2)
     assert on_device(cpu, "cpu") and on_device(cpu, torch.device("cpu", 0)) and not on_device(cpu, "cuda")
+
+
+def test_targets_handed_only_to_the_loss_are_inputs(small):
+    import torch.nn.functional as F
+
+    model, opt = small
+    with StepTracker(model, opt) as tr:
+        x, y = get_batch(2, SMALL["seq_len"])
+        logits = model(x)[0]  # the model never sees y
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # nll_loss saves y for backward
+        loss.backward()
+        del logits, loss
+    trace = tr.trace
+    saved_y = [s for s in trace.saved if s.dtype == torch.int64 and s.shape == (y.numel(),)]
+    assert saved_y and all(s.category == "inputs" for s in saved_y)
+    assert phase_end(trace, 1, "forward")["inputs"] == x.nbytes + y.nbytes
