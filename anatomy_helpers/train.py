@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 
@@ -101,6 +102,7 @@ def track_steps(
     retain_graph: bool = False,
     keep: str = "item",
     optimizer_step: bool = True,
+    autocast: str | None = None,
     after_step: Callable[[int], None] | None = None,
 ) -> Trace:
     """Train ``steps`` steps on course batches inside a StepTracker and return its Trace.
@@ -110,6 +112,9 @@ def track_steps(
     ``optimizer.zero_grad(set_to_none=set_to_none)`` on batch
     ``get_batch(batch_size, model.cfg.seq_len, step=i - 1, seed=seed)``; then ``after_step(i)``.
     ``optimizer_step=False`` stops each step after backward (gradients kept, no optimizer phase).
+    ``autocast="bfloat16"`` (or ``"float16"`` on CUDA) runs the forward and the loss under ``torch.autocast``:
+    mixed precision the way most PyTorch users train (weights, gradients and optimizer state stay in the model's
+    dtype; matmuls run, and save their inputs, in 16 bits).
 
     ``keep`` is what the loop keeps of each step for logging, in a list that lives through all steps:
     ``"item"``: ``loss.item()``, a Python float (the right way); ``"loss"``: the loss tensor itself, after
@@ -125,9 +130,16 @@ def track_steps(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if keep not in KEEP_CHOICES:
         raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
+    if autocast not in (None, "bfloat16", "float16"):
+        raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
     device = next(model.parameters()).device
     seq_len = model.cfg.seq_len
     kept: list = []
+    mixed_precision = (
+        torch.autocast(device.type, dtype=getattr(torch, autocast))
+        if autocast is not None
+        else contextlib.nullcontext()
+    )
     with StepTracker(model, optimizer, budget_bytes=budget_bytes) as tracker:
         for i in range(steps):
             if keep == "val_loss":
@@ -135,7 +147,8 @@ def track_steps(
                 kept.append(model(vx, vy)[1])  # grad mode is on: its whole graph stays alive
                 del vx, vy
             x, y = get_batch(batch_size, seq_len, step=i, seed=seed, device=device)
-            loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
+            with mixed_precision:
+                loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
             loss.backward(retain_graph=retain_graph)
             if optimizer_step:
                 optimizer.step()

@@ -59,3 +59,12 @@ def test_same_seed_same_weights_on_any_call_order():
     b = make_model(device="cpu", seed=3, **SMALL)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert make_optimizer(a, "sgd").param_groups[0]["lr"] > 0
+
+
+def test_autocast_keeps_fp32_model_states_and_saves_bf16_matmul_inputs(small):
+    model, opt = small
+    trace = track_steps(model, opt, steps=1, batch_size=2, autocast="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert any(s.dtype == torch.bfloat16 and s.category == "activations" for s in trace.saved)
+    with pytest.raises(ValueError, match="autocast"):
+        track_steps(model, opt, autocast="fp8")

@@ -163,6 +163,7 @@ class Setup:
     dtype: str = "float32"  # the model's dtype: "float32" or "bfloat16"
     master_weights: bool = False  # fp32 master copies via MasterWeightAdamW (optimizer must be "adamw")
     keep_fp32_grads: bool = False  # with master weights: all fp32 gradients alive at once
+    autocast: str | None = None  # "bfloat16": the forward runs under torch.autocast (fp32 weights and gradients)
 
     def build(self, device=None, **model_config) -> tuple[nn.Module, torch.optim.Optimizer]:
         """A fresh seeded model (``model_config`` overrides ModelConfig fields) and its optimizer."""
@@ -190,6 +191,7 @@ TABLE_SETUPS = (
     Setup("fp32, AdamW single-tensor", "adamw"),
     Setup("fp32, AdamW foreach", "adamw", "foreach"),
     Setup("fp32, AdamW fused", "adamw", "fused"),
+    Setup("fp32 + bf16 autocast, AdamW", "adamw", autocast="bfloat16"),
     Setup("bf16, AdamW, no master copy", "adamw", dtype="bfloat16"),
     Setup("bf16 + fp32 master, grads upcast one by one", dtype="bfloat16", master_weights=True),
     Setup("bf16 + fp32 master, all fp32 grads kept", dtype="bfloat16", master_weights=True, keep_fp32_grads=True),
@@ -201,7 +203,7 @@ def measure_setup(setup: Setup, steps: int = 2, batch_size: int = 2, device=None
     """Train ``steps`` tracked steps of a fresh model under ``setup``; bytes per parameter at the last step's
     optimizer peak."""
     model, opt = setup.build(device=device, **model_config)
-    trace = track_steps(model, opt, steps=steps, batch_size=batch_size)
+    trace = track_steps(model, opt, steps=steps, batch_size=batch_size, autocast=setup.autocast)
     return bytes_per_param(trace, model, step=steps, label=setup.label)
 
 
