@@ -82,29 +82,30 @@ class _Segment:
     blocks: list[_Block] = field(default_factory=list)  # contiguous, in address order
 
 
+class _Keyed:
+    key: int | None
+
+    @property
+    def free(self) -> bool:
+        """True while no allocation holds the block (it is cached, free)."""
+        return self.key is None
+
+
 @dataclass(eq=False)
-class _Block:
+class _Block(_Keyed):
     segment: _Segment
     offset: int  # bytes from the start of the segment
     size: int
     key: int | None = None  # the allocation holding it; None while it is free (cached)
 
-    @property
-    def free(self) -> bool:
-        return self.key is None
-
 
 @dataclass(frozen=True)
-class BlockState:
+class BlockState(_Keyed):
     """A block of a segment (bytes): ``key`` is the allocation holding it, None while it is cached, free."""
 
     offset: int
     size: int
     key: int | None
-
-    @property
-    def free(self) -> bool:
-        return self.key is None
 
 
 @dataclass(frozen=True)
@@ -238,24 +239,6 @@ class CachingAllocatorSim:
             block.size += blocks.pop(i + 1).size
         if i > 0 and blocks[i - 1].free:
             blocks[i - 1].size += blocks.pop(i).size
-
-
-def apply_row(sim: CachingAllocatorSim, live: dict[int, int], key: int, delta: int) -> None:
-    """Apply one row of an allocation record to ``sim``; ``live`` maps allocation id -> current bytes.
-
-    A positive ``delta`` for a live id (the storage grew) is replayed as a free and a malloc of the new size.
-    """
-    old = live.get(key, 0)
-    new = old + delta  # a free names the whole size, so it brings the allocation to 0
-    if new < 0:
-        raise ValueError(f"allocation {key} frees {-delta} bytes but holds {old}")
-    if new != old:
-        if old:
-            sim.free(key)
-            del live[key]
-        if new:
-            sim.malloc(key, new)
-            live[key] = new
 
 
 @dataclass
