@@ -20,27 +20,14 @@ from functools import cached_property
 
 import numpy as np
 
-from .records import (  # noqa: F401  (re-exported: the vocabulary every module imports from here)
+# The vocabulary lives in records.py; the names other modules reach for are re-exported here.
+from .records import (  # noqa: F401  (re-exported)
     ACTIVATIONS,
-    BACKWARD,
     CATEGORIES,
-    EMBEDDINGS,
-    FORWARD,
     GRADIENTS,
     HEAD,
-    IDLE,
-    INPUTS,
-    KERNEL_SCRATCH,
-    NO_MODULE,
-    OPT_STEP,
-    OPT_ZERO_GRAD,
-    OPTIMIZER,
-    OPTIMIZER_STATE,
-    PARAMETERS,
     PHASES,
-    RECOMPUTED,
     ROOT,
-    TEMPORARIES,
     AllocationRecord,
     CudaMark,
     LiveAllocation,
