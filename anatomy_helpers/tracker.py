@@ -33,9 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import checkpointing
 from .recorder import MemoryBudgetExceeded, Recorder  # noqa: F401  (MemoryBudgetExceeded: re-exported)
-from .scratch import MemoryEvents
-from .tensors import returns_alias
-from .trace import (
+from .records import (
     ACTIVATIONS,
     BACKWARD,
     FORWARD,
@@ -47,8 +45,10 @@ from .trace import (
     OPT_ZERO_GRAD,
     OPTIMIZER,
     ROOT,
-    Trace,
 )
+from .scratch import MemoryEvents
+from .tensors import returns_alias
+from .trace import Trace
 
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
 _time_ns = time.time_ns  # the clock the profiler's memory events are stamped with
