@@ -246,8 +246,10 @@ class Recorder:
         if phase == self._phase:
             return
         # A new step starts when the model runs forward again after a backward or an
-        # optimizer phase, or when zero_grad closes the optimizer phase.
-        if (self._phase == OPTIMIZER and phase in (IDLE, FORWARD)) or (self._phase == BACKWARD and phase == FORWARD):
+        # optimizer phase, or when zero_grad closes the optimizer phase. Accumulating gradients, a forward
+        # after a backward is the next micro-batch of the same step: only the optimizer ends a step.
+        after_backward = self._phase == BACKWARD and phase == FORWARD and not self.accumulate
+        if (self._phase == OPTIMIZER and phase in (IDLE, FORWARD)) or after_backward:
             self._step += 1
         self._phase = phase
         self._mark_phase()

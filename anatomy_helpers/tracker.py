@@ -100,6 +100,10 @@ class StepTracker(Recorder):
 
     ``budget_bytes``: if set, raise :class:`MemoryBudgetExceeded` the moment live
     tracked bytes exceed it (a CPU stand-in for a GPU running out of memory).
+
+    ``accumulate=True``: gradient accumulation, a step is several forward/backward
+    passes (micro-batches) and ends only with the optimizer phase; a forward after a
+    backward is the next micro-step of the same step, not a new step.
     """
 
     _running: StepTracker | None = None  # the tracker inside its `with` block, if any
@@ -111,6 +115,7 @@ class StepTracker(Recorder):
         *,
         budget_bytes: int | None = None,
         kernel_scratch: bool = True,
+        accumulate: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"StepTracker needs an nn.Module, got {type(model).__name__}")
@@ -131,6 +136,7 @@ class StepTracker(Recorder):
         ):
             raise ValueError(f"budget_bytes must be a positive, finite number of bytes, got {budget_bytes!r}")
         self.model, self.optimizer, self.budget_bytes = model, optimizer, budget_bytes
+        self.accumulate = bool(accumulate)
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._cuda = self.device.type == "cuda"

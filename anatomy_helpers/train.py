@@ -89,6 +89,13 @@ def make_model(device: str | torch.device | None = None, seed: int = 0, **config
 KEEP_CHOICES = ("item", "loss", "val_loss")
 
 
+def _loss_value(loss) -> float:
+    """A step's loss as a float: a loss tensor's item, or the sum of its micro-batches' losses (floats or tensors)."""
+    if isinstance(loss, list):
+        return sum(p if isinstance(p, float) else p.item() for p in loss)
+    return loss.item()
+
+
 def track_steps(
     model: GPT,
     optimizer: torch.optim.Optimizer,
@@ -103,6 +110,7 @@ def track_steps(
     keep: str = "item",
     optimizer_step: bool = True,
     autocast: str | None = None,
+    micro_batches: int = 1,
     after_step: Callable[[int], None] | None = None,
 ) -> Trace:
     """Train ``steps`` steps on course batches inside a StepTracker and return its Trace.
@@ -115,6 +123,10 @@ def track_steps(
     ``autocast="bfloat16"`` (or ``"float16"`` on CUDA) runs the forward and the loss under ``torch.autocast``:
     mixed precision the way most PyTorch users train (weights, gradients and optimizer state stay in the model's
     dtype; matmuls run, and save their inputs, in 16 bits).
+    ``micro_batches=k`` accumulates gradients: each step splits its batch of ``batch_size`` (the global batch,
+    a multiple of k) into k micro-batches of ``batch_size // k`` rows, runs forward and backward of each (loss
+    divided by k, so the gradients are the global batch's mean), then one optimizer step. The tracker counts
+    the k forward/backward passes as micro-steps of one step.
 
     ``keep`` is what the loop keeps of each step for logging, in a list that lives through all steps:
     ``"item"``: ``loss.item()``, a Python float (the right way); ``"loss"``: the loss tensor itself, after
@@ -132,6 +144,11 @@ def track_steps(
         raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if batch_size % micro_batches:
+        raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches})")
+    micro = batch_size // micro_batches
     device = next(model.parameters()).device
     seq_len = model.cfg.seq_len
     kept: list = []
@@ -140,22 +157,32 @@ def track_steps(
         if autocast is not None
         else contextlib.nullcontext()
     )
-    with StepTracker(model, optimizer, budget_bytes=budget_bytes) as tracker:
+    with StepTracker(model, optimizer, budget_bytes=budget_bytes, accumulate=micro_batches > 1) as tracker:
         for i in range(steps):
             if keep == "val_loss":
                 vx, vy = get_batch(batch_size, seq_len, step=10_000 + i, seed=seed, device=device)
                 kept.append(model(vx, vy)[1])  # grad mode is on: its whole graph stays alive
                 del vx, vy
             x, y = get_batch(batch_size, seq_len, step=i, seed=seed, device=device)
-            with mixed_precision:
-                loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
-            loss.backward(retain_graph=retain_graph)
+            if micro_batches == 1:
+                with mixed_precision:
+                    loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
+                loss.backward(retain_graph=retain_graph)
+            else:  # row slices of the global batch: views of its storage, no copy
+                parts: list = []  # each micro-batch's loss: a float, or the tensor itself with keep="loss"
+                for j in range(0, batch_size, micro):
+                    with mixed_precision:
+                        part = model(x[j : j + micro], y[j : j + micro])[1] / micro_batches
+                    part.backward(retain_graph=retain_graph)
+                    parts.append(part if keep == "loss" else part.item())
+                    del part
+                loss = parts
             if optimizer_step:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=set_to_none)
-            kept.append(loss if keep == "loss" else loss.item() if keep == "item" else None)
+            kept.append(loss if keep == "loss" else _loss_value(loss) if keep == "item" else None)
             if progress:
-                print(f"step {i + 1}/{steps}: loss {loss.item():.3f}", file=sys.stderr, flush=True)
+                print(f"step {i + 1}/{steps}: loss {_loss_value(loss):.3f}", file=sys.stderr, flush=True)
             del loss
             del x, y  # the next batch should not overlap with this one
             if after_step is not None:
