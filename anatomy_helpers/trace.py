@@ -346,10 +346,16 @@ class Trace:
         held = self.timeline.bytes.max(axis=0) if len(self.timeline) else np.zeros(len(CATEGORIES))
         return [c for c, b, base in zip(CATEGORIES, held, self.baseline.values()) if b or base]
 
+    def table_categories(self) -> list[str]:
+        """The columns of :meth:`table`: categories that reach 0.005 MiB at some phase's peak (the rest would
+        read 0.00 in every row)."""
+        peaks = [ph.peak for ph in self._phases if ph.phase != "idle"]
+        return [c for c in self.categories_present() if any(pk.breakdown[c] >= MiB / 200 for pk in peaks)]
+
     # ---- printing -------------------------------------------------------------------------------------------
     def table(self) -> str:
         """Phase x category table in MiB; each row is the moment of that phase's peak."""
-        shown = self.categories_present()
+        shown = self.table_categories()
         cols = [Col("step", 4), Col("phase", 9, align="<")]
         cols += [Col(c.replace("_", " "), max(11, len(c)), ".2f") for c in shown]
         cols += [Col("total", 9, ".2f"), Col("peak in", 20, align="<", gap="  ")]

@@ -116,5 +116,5 @@ def test_table_rows_are_the_phase_peaks(small_trace):
     assert len(lines) == 2 + len(peaks) + 2
     for line, ph in zip(lines[2:], peaks):
         assert line.split()[:2] == [str(ph.step), ph.phase]
-        total_column = 2 + len(small_trace.categories_present())
+        total_column = 2 + len(small_trace.table_categories())
         assert float(line.split()[total_column]) == pytest.approx(ph.peak.bytes / 2**20, abs=0.005)
