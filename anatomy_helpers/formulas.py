@@ -27,11 +27,33 @@ def param_count(cfg: ModelConfig) -> int:
     * the token embedding is h*v, shared with the LM head (weight tying), so counted once;
     * the learned position embedding is s*h; the final LayerNorm is 2h.
 
-    For r = 4: ``h*v + L*(12h^2 + 13h) + 2h + s*h``.
+    For r = 4: ``h*v + L*(12h^2 + 13h) + 2h + s*h``. An untied LM head adds another ``h*v``.
+    ``cfg.block == "llama"``: :func:`llama_param_count`.
     """
+    if getattr(cfg, "block", "gpt2") == "llama":
+        return llama_param_count(cfg)
     h, v, L, s, r = cfg.d_model, cfg.vocab_size, cfg.n_layer, cfg.seq_len, cfg.mlp_ratio
+    head = 0 if getattr(cfg, "tie_embeddings", True) else h * v
     per_block = (4 + 2 * r) * h * h + (9 + r) * h
-    return h * v + L * per_block + 2 * h + s * h
+    return h * v + L * per_block + 2 * h + s * h + head
+
+
+def llama_param_count(cfg: ModelConfig) -> int:
+    """Number of parameters of the Llama-block GPT: no biases, no position embedding (rotary has no weights).
+
+    With ``d = h / a`` the head width, ``k`` key/value heads and ``F = r*h`` the MLP width:
+
+    * attention: q and the output projection are ``h^2`` each, k and v are ``h*k*d`` each: ``2h^2 + 2hkd``;
+    * SwiGLU MLP: gate, up and down are ``h*F`` each: ``3hF``;
+    * two RMSNorms: ``2h``; the final RMSNorm ``h``;
+    * the token embedding ``h*v``, plus ``h*v`` again for an untied LM head.
+    """
+    h, v, L, r = cfg.d_model, cfg.vocab_size, cfg.n_layer, cfg.mlp_ratio
+    k = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
+    d = h // cfg.n_head
+    per_block = 2 * h * h + 2 * h * k * d + 3 * h * (r * h) + 2 * h
+    head = 0 if cfg.tie_embeddings else h * v
+    return h * v + L * per_block + h + head
 
 
 # ---- activations: Korthikanti et al. 2022, bytes of one transformer layer -------------------------------------

@@ -22,6 +22,8 @@ from .data import get_tokenizer, max_seq_len
 from .formulas import param_count
 
 ATTENTION_IMPLS = ("manual", "sdpa")
+BLOCKS = ("gpt2", "llama")  # GPT-2's block, or Llama's: RMSNorm, SwiGLU, rotary positions, grouped-query attention
+ROPE_THETA = 500_000.0  # the rotary base of Llama 3 (Llama 2 used 10,000); it changes values, never memory
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -38,6 +40,9 @@ class ModelConfig:
     attn_impl: str = "manual"  # "manual" keeps the (B, a, s, s) scores; "sdpa" fuses them away
     checkpoint: str = "none"  # activation checkpointing: none, full, every_k, selective, attention, offload
     checkpoint_every: int = 1  # with "every_k": blocks per checkpointed segment (1..n_layer)
+    block: str = "gpt2"  # "gpt2" (LayerNorm, GELU MLP, learned positions) or "llama" (see LlamaBlock)
+    n_kv_head: int | None = None  # "llama": key/value heads (grouped-query attention); None means n_head
+    tie_embeddings: bool = True  # the LM head shares the token embedding's weight
 
     def __post_init__(self):
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "mlp_ratio"):
@@ -68,6 +73,26 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         check_policy(self.checkpoint, self.checkpoint_every, self.n_layer)  # see checkpointing.py
+        if self.block not in BLOCKS:
+            raise ValueError(f"ModelConfig.block must be one of {BLOCKS}, got {self.block!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be True or False, got {self.tie_embeddings!r}")
+        kv = self.n_kv_head
+        if kv is not None:
+            if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0 or self.n_head % kv:
+                raise ValueError(
+                    f"ModelConfig.n_kv_head must be a positive integer that divides n_head ({self.n_head}), got {kv!r}"
+                )
+            if self.block != "llama" and kv != self.n_head:
+                raise ValueError(
+                    f"ModelConfig.n_kv_head={kv} needs block='llama': the GPT-2 block has one key/value head per "
+                    "query head"
+                )
+        if self.block == "llama" and self.head_dim % 2:
+            raise ValueError(
+                f"ModelConfig.d_model / n_head must be even for block='llama' (rotary embeddings turn pairs of "
+                f"dimensions), got head width {self.head_dim}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -76,6 +101,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_head``, or one per query head."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
 
 def host_ram_bytes() -> int | None:
@@ -88,6 +118,8 @@ def host_ram_bytes() -> int | None:
 
 def check_params_fit_in_ram(cfg: ModelConfig) -> None:
     """Raise ValueError if the parameters alone would not fit in host RAM (they are built in float32 on CPU)."""
+    if torch.get_default_device().type == "meta":  # built without memory (a dry run): nothing to fit
+        return
     ram, n = host_ram_bytes(), param_count(cfg)
     if ram is not None and ram > 0 and n * 4 > ram:
         raise ValueError(
@@ -160,25 +192,127 @@ class Block(nn.Module):
         return x
 
 
+# ---- the Llama block: RMSNorm, SwiGLU, rotary positions, grouped-query attention ---------------------------------
+
+
+class RMSNorm(nn.Module):
+    """LayerNorm without the mean and the bias: x / rms(x) * weight (Zhang & Sennrich 2019)."""
+
+    def __init__(self, d: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))  # (C,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (B, T, 1)
+        return x * rms * self.weight  # (B, T, C)
+
+
+def rotary_tables(seq_len: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's angles, (s, D/2) each: position t turns dimension pair i by t * theta_i."""
+    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (s, D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (first half, second half) pair of x (B, H, T, D) by its position's angle; cos, sin (T, D/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # (B, H, T, D/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (B, H, T, D)
+
+
+class LlamaAttention(CausalSelfAttention):
+    """Causal attention with rotary positions and grouped-query attention: n_kv_head key/value heads, each
+    shared by n_head / n_kv_head query heads. No biases. The attention core is GPT-2's (``attend``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        D, H, K = cfg.head_dim, cfg.n_head, cfg.kv_heads
+        self.qkv = nn.Linear(cfg.d_model, (H + 2 * K) * D, bias=False)  # q for H heads, k and v for K heads
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # output projection
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        cos, sin = rotary_tables(cfg.seq_len, D)
+        self.register_buffer("cos", cos, persistent=False)  # (s, D/2); not parameters
+        self.register_buffer("sin", sin, persistent=False)  # (s, D/2)
+        if cfg.attn_impl == "manual":
+            mask = torch.tril(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool))
+            self.register_buffer("mask", mask.view(1, 1, cfg.seq_len, cfg.seq_len), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        D, H, K = self.cfg.head_dim, self.cfg.n_head, self.cfg.kv_heads
+        q, k, v = self.qkv(x).split([H * D, K * D, K * D], dim=2)  # (B, T, H*D), (B, T, K*D), (B, T, K*D)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        cos, sin = self.cos[:T], self.sin[:T]  # (T, D/2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # positions enter here, not at the input
+        if K != H:  # each key/value head serves H / K query heads
+            k = k.repeat_interleave(H // K, dim=1)  # (B, H, T, D)
+            v = v.repeat_interleave(H // K, dim=1)  # (B, H, T, D)
+        y = attention_core(self.attend, q, k, v, policy=self.cfg.checkpoint)  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class SwiGLU(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) * up(x)), three matrices of C x F, no biases (Shazeer 2020)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        F_ = cfg.mlp_ratio * cfg.d_model  # the MLP width F
+        self.gate = nn.Linear(cfg.d_model, F_, bias=False)
+        self.up = nn.Linear(cfg.d_model, F_, bias=False)
+        self.proj = nn.Linear(F_, cfg.d_model, bias=False)  # "down"
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (B, T, C) -> (B, T, F) twice -> (B, T, C)
+        return self.drop(self.proj(F.silu(self.gate(x)) * self.up(x)))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = RMSNorm(cfg.d_model)
+        self.attn = LlamaAttention(cfg)
+        self.ln2 = RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln2(x))  # (B, T, C)
+        return x
+
+
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` blocks, final LayerNorm, LM head, cross-entropy.
 
     The LM head shares its weight with the token embedding (as in GPT-2 and nanoGPT),
     so the parameter count is the textbook ``h*v + L*(12h^2 + 13h) + 2h`` plus
     ``s*h`` for the learned position embeddings (``formulas.param_count``).
+
+    With ``cfg.block == "llama"`` the blocks are :class:`LlamaBlock` s, positions are rotary (no position
+    embedding) and the final norm is an RMSNorm; ``tie_embeddings=False`` gives the head its own weight.
     """
 
     def __init__(self, cfg: ModelConfig | None = None):
         super().__init__()
         self.cfg = cfg = cfg or ModelConfig()
         check_params_fit_in_ram(cfg)  # fail before allocating, not after minutes of swapping
+        llama = cfg.block == "llama"
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        if not llama:
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.blocks = nn.ModuleList((LlamaBlock if llama else Block)(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = RMSNorm(cfg.d_model) if llama else nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # weight tying: one storage, counted once
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # weight tying: one storage, counted once
         self.apply(self._init_weights)
         self.to(cfg.torch_dtype)
 
@@ -198,8 +332,11 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds ModelConfig.seq_len={self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        if self.cfg.block == "llama":
+            x = self.drop(self.tok_emb(idx))  # (B, T, C); positions are rotated into q and k in each block
+        else:
+            pos = torch.arange(T, device=idx.device)  # (T,)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         policy = self.cfg.checkpoint  # what the blocks keep for backward: see checkpointing.py
         if recomputes_blocks(policy) and torch.is_grad_enabled():
             x = run_checkpointed(self.blocks, x, policy, self.cfg.checkpoint_every)  # (B, T, C)
