@@ -14,7 +14,9 @@ from .units import MiB
 # Lower index wins when a storage qualifies twice: a weight saved for backward
 # stays a parameter, the token ids saved by the embedding stay inputs.
 # "recomputed": made again during backward by activation checkpointing. "kernel_scratch": memory a kernel
-# allocates and frees inside one op (no op output shows it; see scratch.py).
+# allocates and frees inside one op (no op output shows it; see scratch.py). "communication": memory that exists
+# only for a collective under data parallelism (DDP's gradient buckets, FSDP's all-gathered parameters and
+# reduce-scatter buffers; see distributed.py); a single-device trace never holds it.
 CATEGORIES = (
     "parameters",
     "optimizer_state",
@@ -24,10 +26,19 @@ CATEGORIES = (
     "recomputed",
     "temporaries",
     "kernel_scratch",
+    "communication",
 )
-PARAMETERS, OPTIMIZER_STATE, GRADIENTS, INPUTS, ACTIVATIONS, RECOMPUTED, TEMPORARIES, KERNEL_SCRATCH = range(
-    len(CATEGORIES)
-)
+(
+    PARAMETERS,
+    OPTIMIZER_STATE,
+    GRADIENTS,
+    INPUTS,
+    ACTIVATIONS,
+    RECOMPUTED,
+    TEMPORARIES,
+    KERNEL_SCRATCH,
+    COMMUNICATION,
+) = range(len(CATEGORIES))
 PHASES = ("idle", "forward", "backward", "optimizer")
 IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
 

@@ -112,6 +112,9 @@ def track_steps(
     autocast: str | None = None,
     micro_batches: int = 1,
     after_step: Callable[[int], None] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    tracker: StepTracker | None = None,
 ) -> Trace:
     """Train ``steps`` steps on course batches inside a StepTracker and return its Trace.
 
@@ -127,6 +130,11 @@ def track_steps(
     a multiple of k) into k micro-batches of ``batch_size // k`` rows, runs forward and backward of each (loss
     divided by k, so the gradients are the global batch's mean), then one optimizer step. The tracker counts
     the k forward/backward passes as micro-steps of one step.
+    ``world_size > 1``: data parallelism (see distributed.py). This process is rank ``rank``: it trains rows
+    ``rank * b`` to ``(rank + 1) * b - 1`` of each global batch (``b = batch_size // world_size``), copied out as
+    a data loader would hand them over, in micro-batches of ``b // micro_batches``. ``model`` may be a wrapper
+    (DDP) whose ``.module`` is the course GPT. ``tracker``: a StepTracker (or subclass) of this model and
+    optimizer to record with instead of a new one.
 
     ``keep`` is what the loop keeps of each step for logging, in a list that lives through all steps:
     ``"item"``: ``loss.item()``, a Python float (the right way); ``"loss"``: the loss tensor itself, after
@@ -146,31 +154,41 @@ def track_steps(
         raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-    if batch_size % micro_batches:
-        raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches})")
-    micro = batch_size // micro_batches
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got rank {rank!r} of world_size {world_size!r}")
+    if batch_size % (micro_batches * world_size):
+        raise ValueError(
+            f"batch_size ({batch_size}) must be a multiple of micro_batches x world_size "
+            f"({micro_batches} x {world_size})"
+        )
+    local = batch_size // world_size  # rows this rank trains on
+    micro = local // micro_batches
     device = next(model.parameters()).device
-    seq_len = model.cfg.seq_len
+    seq_len = getattr(model, "module", model).cfg.seq_len
     kept: list = []
     mixed_precision = (
         torch.autocast(device.type, dtype=getattr(torch, autocast))
         if autocast is not None
         else contextlib.nullcontext()
     )
-    with StepTracker(model, optimizer, budget_bytes=budget_bytes, accumulate=micro_batches > 1) as tracker:
+    if tracker is None:
+        tracker = StepTracker(model, optimizer, budget_bytes=budget_bytes, accumulate=micro_batches > 1)
+    with tracker:
         for i in range(steps):
             if keep == "val_loss":
                 vx, vy = get_batch(batch_size, seq_len, step=10_000 + i, seed=seed, device=device)
                 kept.append(model(vx, vy)[1])  # grad mode is on: its whole graph stays alive
                 del vx, vy
             x, y = get_batch(batch_size, seq_len, step=i, seed=seed, device=device)
+            if world_size > 1:  # this rank's rows only
+                x, y = (t[rank * local : (rank + 1) * local].clone() for t in (x, y))
             if micro_batches == 1:
                 with mixed_precision:
                     loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
                 loss.backward(retain_graph=retain_graph)
             else:  # row slices of the global batch: views of its storage, no copy
                 parts: list = []  # each micro-batch's loss: a float, or the tensor itself with keep="loss"
-                for j in range(0, batch_size, micro):
+                for j in range(0, local, micro):
                     with mixed_precision:
                         part = model(x[j : j + micro], y[j : j + micro])[1] / micro_batches
                     part.backward(retain_graph=retain_graph)

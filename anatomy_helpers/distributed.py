@@ -1,0 +1,763 @@
+"""Data parallelism on several processes, each rank tracked by the course's tracker: DDP, ZeRO-1 and FSDP2.
+
+Everything runs on PyTorch's own distributed engine (``torch.distributed``): gloo on CPU, nccl on GPUs. Every rank
+builds the same course GPT (same seed, same weights), wraps it for one strategy, trains a few warm-up steps
+untracked (optimizer state made, DDP's buckets rebuilt, FSDP's buffers allocated), then tracks ``steps`` steps
+with a :class:`RankTracker` and sends back a :class:`RankResult`: its Trace, the collectives it issued, and
+torch's own figures for what it holds (local shard bytes, ``optimizer.state`` bytes).
+
+* :func:`run_world` starts ``world_size`` local processes from a notebook or a test (a free port on 127.0.0.1,
+  a clear error naming the rank that failed, every process killed on the way out);
+* ``python -m anatomy_helpers.distributed`` (or ``torchrun --nproc-per-node N -m anatomy_helpers.distributed``)
+  is the same entry point: it prints the per-rank table.
+
+Memory that exists only for a collective is the category "communication": DDP's gradient buckets (unless the
+gradients are views of them), FSDP's all-gathered parameters and its all-gather and reduce-scatter buffers.
+Parameters, gradients and optimizer state stay what they are even when a collective reads or writes them (the
+bucket a gradient is a view of counts as gradients). DTensor parameters, gradients and states count by their
+local shards. Bytes everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .records import COMMUNICATION, GRADIENTS, OPT_STEP, OPTIMIZER_STATE, PARAMETERS, PHASES, TEMPORARIES, Peak
+from .tensors import optimizer_state_tensors
+from .trace import Trace
+from .tracker import StepTracker
+
+STRATEGIES = {
+    "ddp": "DDP (gradients copied into buckets)",
+    "ddp_bucket_view": "DDP, gradient_as_bucket_view=True",
+    "zero1": "ZeRO-1: DDP + ZeroRedundancyOptimizer",
+    "fsdp2_zero2": "FSDP2, reshard_after_forward=False (ZeRO-2-like)",
+    "fsdp2_zero3": "FSDP2, reshard_after_forward=True (ZeRO-3-like)",
+}
+ZERO_STAGE = {"ddp": 0, "ddp_bucket_view": 0, "zero1": 1, "fsdp2_zero2": 2, "fsdp2_zero3": 3}
+FAULTS = ("raise", "exit", "kill", "hang")  # for testing the runner: what the faulty rank does
+LR, WEIGHT_DECAY = 1e-3, 0.1  # make_optimizer's AdamW
+
+# Which category wins when a storage qualifies twice (lower wins): model states first, then communication, then
+# the single-device order (a parameter all-gathered for forward and saved for backward stays communication).
+_MODEL_STATES = (PARAMETERS, OPTIMIZER_STATE, GRADIENTS)
+
+
+def _priority(category: int) -> int:
+    if category in _MODEL_STATES:
+        return category
+    return 3 if category == COMMUNICATION else 4 + category
+
+
+@dataclass
+class RankJob:
+    """One strategy to run on every rank. ``batch_size`` is the global batch (all ranks together)."""
+
+    strategy: str
+    steps: int = 2
+    batch_size: int = 8
+    micro_batches: int = 1
+    warmup: int = 2  # untracked steps first: optimizer state exists, DDP has rebuilt its buckets
+    model: dict = field(default_factory=dict)  # ModelConfig overrides
+    straggler_s: float = 0.0  # the last rank sleeps this long at the end of each tracked forward
+    fault: str | None = None  # testing the runner: FAULTS, on rank fault_rank, after the process group is up
+    fault_rank: int = 1
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"fault must be None or one of {FAULTS}, got {self.fault!r}")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective a rank issued: after timeline sample ``index``, ``op`` on ``bytes`` of tensors."""
+
+    index: int
+    time_s: float  # seconds since tracking began, when it was issued
+    step: int
+    phase: str
+    op: str  # the c10d op, e.g. "allreduce_", "_allgather_base_", "_reduce_scatter_base_", "broadcast_"
+    bytes: int  # bytes of its output tensors
+
+
+@dataclass
+class RankResult:
+    """What one rank measured for one strategy. The ``torch_*`` figures are torch's own, read from the tensors."""
+
+    strategy: str
+    rank: int
+    world_size: int
+    backend: str
+    trace: Trace
+    collectives: list[Collective]
+    n_params: int  # parameters of the whole (unsharded) model
+    torch_param_bytes: int  # storages behind this rank's parameters (local shards, padding included)
+    torch_param_numel_bytes: int  # numel x element size of the local shards (no padding)
+    torch_grad_bytes: int  # storages behind this rank's gradients just before the last optimizer step
+    torch_state_bytes: int  # storages behind this rank's optimizer.state (ZeRO: its local optimizer's)
+    model_states: dict[str, int]  # the tracker's bytes per category just before the last optimizer step
+    max_memory_allocated: int | None = None  # CUDA only: torch.cuda.max_memory_allocated over the tracked steps
+
+    @property
+    def peak(self) -> Peak:
+        return self.trace.peak()
+
+
+# ---- the tracker of one rank ----------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") and hasattr(t, "device_mesh") else t
+
+
+def _storages_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        t = _local(t)
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+class _Collectives(TorchDispatchMode):
+    """Sees each c10d op with its arguments (inside the tracker's own mode): marks its buffers and notes it."""
+
+    def __init__(self, tracker: RankTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tracker = self.tracker
+        tracker._poll_watched()
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            tracker._on_collective(func, args, out)
+        return out
+
+
+class RankTracker(StepTracker):
+    """A StepTracker for one data-parallel rank.
+
+    ``communication``: tensors alive before tracking that exist only for collectives (DDP's buckets).
+    ``watched``: storages a wrapper resizes in place without an op (FSDP's all-gathered parameters: resized to
+    0 when resharded, back when all-gathered); their size is read before every op. Both count as
+    "communication" unless they turn out to be a model state. Every tensor a c10d op reads or writes that is no
+    model state counts as communication too; each collective is noted in :attr:`collectives`.
+    Kernel scratch is not measured (one profiler session per process would only add noise here).
+    """
+
+    def __init__(self, model, optimizer, *, accumulate: bool = False, communication=(), watched=()):
+        super().__init__(model, optimizer, kernel_scratch=False, accumulate=accumulate)
+        self._communication = list(communication)
+        self._watched = list(watched)
+        self._watched_aids: list[tuple[torch.Tensor, int]] = []
+        self.collectives: list[Collective] = []
+
+    def _aid(self, t, module=None, new=True, category=TEMPORARIES):
+        return super()._aid(_local(t), module, new, category)
+
+    def _mark(self, t, category, module=None):
+        aid = self._aid(t, module, category=category)
+        if aid is not None and _priority(category) < _priority(self._a_cat[aid]):
+            self._a_cat[aid] = category
+        return aid
+
+    def _register_existing(self) -> None:
+        super()._register_existing()
+        for t in self._communication:
+            self._mark(t, COMMUNICATION)
+        self._watched_aids = [(t, self._mark(t, COMMUNICATION)) for t in self._watched]
+
+    def _mark_optimizer_state(self) -> None:
+        super()._mark_optimizer_state()
+        inner = getattr(self.optimizer, "optim", None)  # ZeroRedundancyOptimizer keeps its shard's state there
+        if isinstance(inner, torch.optim.Optimizer):
+            for t in optimizer_state_tensors(inner):
+                self._mark(t, OPTIMIZER_STATE, self._code(OPT_STEP))
+
+    def _install_hooks(self) -> None:
+        super()._install_hooks()
+
+        def grads_before_step(opt, args, kwargs):  # FSDP sets sharded gradients without autograd's hooks
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._mark(p.grad, GRADIENTS)
+
+        handle = self.optimizer.register_step_pre_hook(grads_before_step)
+        self._undo.append(handle.remove)
+
+    def __enter__(self) -> RankTracker:
+        super().__enter__()
+        mode = _Collectives(self)  # inside the tracker's own mode: it sees each c10d op first, with its arguments
+        mode.__enter__()
+        self._undo.append(lambda: mode.__exit__(None, None, None))
+        return self
+
+    def _poll_watched(self) -> None:
+        """Record resizes of the watched storages (FSDP resizes them in place, outside any op)."""
+        if not self._active:
+            return
+        for t, aid in self._watched_aids:
+            if aid is not None:
+                nbytes = t.untyped_storage().nbytes()
+                if nbytes != self._a_bytes[aid]:
+                    self._record(aid, nbytes - self._a_bytes[aid], self._module)
+                    self._a_bytes[aid] = nbytes
+
+    def _on_collective(self, func, args, out) -> None:
+        if not self._active:
+            return
+        tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
+        for t in tensors:
+            self._mark(t, COMMUNICATION)
+        outs = [o for o in _flat(out) if isinstance(o, torch.Tensor)]
+        index = len(self._events) - self._n_baseline - 1
+        self.collectives.append(
+            Collective(
+                index=index,
+                time_s=(time.perf_counter_ns() - self._start_ns) / 1e9,
+                step=self._step,
+                phase=PHASES[self._phase],
+                op=func._schema.name.split("::")[-1],
+                bytes=sum(_local(o).nbytes for o in outs),
+            )
+        )
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        for item in x:
+            yield from _flat(item)
+    else:
+        yield x
+
+
+# ---- one rank -------------------------------------------------------------------------------------------------
+
+
+class _BufferSpy(TorchDispatchMode):
+    """Notes (weakly) the storages every c10d op touches: run over the warm-up to find DDP's buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            for a in _flat(args):
+                if isinstance(a, torch.Tensor):
+                    a = _local(a)
+                    self.refs[a.untyped_storage()._cdata] = weakref.ref(a)
+        return out
+
+    def alive(self) -> list[torch.Tensor]:
+        return [t for ref in self.refs.values() if (t := ref()) is not None]
+
+
+def _wrap(job: RankJob, device: torch.device):
+    """(module to call, course GPT, optimizer, watched storages) for ``job.strategy``."""
+    from .train import make_model, make_optimizer
+
+    gpt = make_model(device=device, seed=0, **job.model)
+    ids = [device.index] if device.type == "cuda" else None
+    if job.strategy in ("ddp", "ddp_bucket_view", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(gpt, device_ids=ids, gradient_as_bucket_view=job.strategy == "ddp_bucket_view")
+        if job.strategy == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(
+                gpt.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY
+            )
+        else:
+            opt = make_optimizer(gpt, "adamw", lr=LR)
+        return wrapped, gpt, opt
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = job.strategy == "fsdp2_zero3"
+    for block in gpt.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(gpt, reshard_after_forward=reshard)
+    return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
+
+
+def _fsdp_buffers(gpt) -> list[torch.Tensor]:
+    """FSDP2's per-parameter all-gather outputs (the unsharded parameters' storage), if it is FSDP."""
+    out = []
+    for module in gpt.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        group = state()._fsdp_param_group
+        if group is not None:
+            out.extend(t for p in group.fsdp_params for t in p.all_gather_outputs)
+    return out
+
+
+def run_job(job: RankJob, rank: int, world_size: int, device: torch.device) -> RankResult:
+    """Run ``job`` on this rank of the initialised process group and measure it."""
+    from .train import track_steps
+
+    if job.fault is not None and rank == job.fault_rank:
+        _fail(job.fault)
+    dist.barrier()
+    wrapped, gpt, opt = _wrap(job, device)
+    spy = _BufferSpy()
+    with spy:
+        track_steps_untracked(wrapped, opt, job, rank, world_size)
+    grads_seen: dict[str, int] = {}
+
+    def grads_before_step(o, args, kwargs):
+        params = [p for g in o.param_groups for p in g["params"]]
+        grads_seen["bytes"] = _storages_bytes(p.grad for p in params if p.grad is not None)
+
+    handle = opt.register_step_pre_hook(grads_before_step)
+    params = list(gpt.parameters())
+    state_owner = getattr(opt, "optim", opt)
+    communication = [t for t in spy.alive() if not any(t.untyped_storage()._cdata == _cdata(p) for p in params)]
+    tracker = RankTracker(
+        gpt, opt, accumulate=job.micro_batches > 1, communication=communication, watched=_fsdp_buffers(gpt)
+    )
+    straggle = None
+    if job.straggler_s > 0 and rank == world_size - 1:
+        straggle = gpt.register_forward_hook(lambda *a: time.sleep(job.straggler_s))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        trace = track_steps(
+            wrapped,
+            opt,
+            steps=job.steps,
+            batch_size=job.batch_size,
+            micro_batches=job.micro_batches,
+            rank=rank,
+            world_size=world_size,
+            seed=1,
+            tracker=tracker,
+        )
+    finally:
+        handle.remove()
+        if straggle is not None:
+            straggle.remove()
+    last_opt = trace.phase(trace.training_steps()[-1], "optimizer")
+    before = trace.at(last_opt.start - 1)
+    result = RankResult(
+        strategy=job.strategy,
+        rank=rank,
+        world_size=world_size,
+        backend=dist.get_backend(),
+        trace=trace,
+        collectives=tracker.collectives,
+        n_params=sum(p.numel() for p in params),
+        torch_param_bytes=_storages_bytes(params),
+        torch_param_numel_bytes=sum(_local(p).numel() * p.element_size() for p in params),
+        torch_grad_bytes=grads_seen.get("bytes", 0),
+        torch_state_bytes=_storages_bytes(optimizer_state_tensors(state_owner)),
+        model_states={c: before[c] for c in ("parameters", "gradients", "optimizer_state", "communication")},
+        max_memory_allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    )
+    dist.barrier()
+    return result
+
+
+def _cdata(p: torch.Tensor) -> int:
+    return _local(p).untyped_storage()._cdata
+
+
+def track_steps_untracked(wrapped, opt, job: RankJob, rank: int, world_size: int) -> None:
+    """``job.warmup`` plain training steps of this rank (the same loop, data and micro-batches, nothing recorded)."""
+    from .data import get_batch
+
+    seq_len = getattr(wrapped, "module", wrapped).cfg.seq_len
+    local = job.batch_size // world_size
+    micro = local // job.micro_batches
+    device = next(wrapped.parameters()).device
+    for i in range(job.warmup):
+        x, y = get_batch(job.batch_size, seq_len, step=1000 + i, seed=1, device=device)
+        x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+        for j in range(0, local, micro):
+            (wrapped(x[j : j + micro], y[j : j + micro])[1] / job.micro_batches).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _fail(how: str) -> None:
+    if how == "raise":
+        raise RuntimeError("injected fault: this rank raises")
+    if how == "exit":
+        sys.exit(3)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3600)  # "hang"
+
+
+def _rank_device(backend: str) -> torch.device:
+    if backend == "nccl":
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def rank_main(jobs: list[RankJob], backend: str | None = None, failure_note: str | None = None) -> list[RankResult]:
+    """Run ``jobs`` on this process as one rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment,
+    as torchrun and :func:`run_world` set them). nccl when every rank has a GPU, else gloo.
+
+    ``failure_note``: a file to write the time and traceback to if a job raises, before the process group goes
+    down (which makes the other ranks fail too), so the runner can tell which rank failed first."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    torch.set_num_threads(1)
+    dist.init_process_group(backend)
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        device = _rank_device(backend)
+        return [run_job(job, rank, world_size, device) for job in jobs]
+    except BaseException:
+        if failure_note is not None:
+            with open(failure_note, "w") as f:
+                f.write(f"{time.time()}\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- starting the ranks ---------------------------------------------------------------------------------------
+
+
+class RankFailed(RuntimeError):
+    """A rank exited with an error (or the world timed out); every process of the world has been stopped."""
+
+    def __init__(self, message: str, rank: int | None, pids: list[int]):
+        super().__init__(message)
+        self.rank, self.pids = rank, pids
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _check_port(port: int, host: str = "127.0.0.1") -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise RuntimeError(
+                f"port {port} on {host} is taken (another process group or server listens there): "
+                "pass another port, or port=None to pick a free one"
+            ) from None
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Kill each process's group (the rank and anything it started) and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def _tail(path: str, lines: int = 12) -> str:
+    try:
+        with open(path) as f:
+            return "".join(f.readlines()[-lines:]).rstrip()
+    except OSError:
+        return ""
+
+
+def run_world(
+    jobs: list[RankJob] | RankJob,
+    world_size: int = 2,
+    *,
+    port: int | None = None,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> dict[str, list[RankResult]]:
+    """Run ``jobs`` on ``world_size`` local processes (one process group for all jobs, in order).
+
+    Returns ``{strategy: [result of rank 0, rank 1, ...]}`` (jobs with the same strategy: the last one). Raises
+    :class:`RankFailed` naming the first rank that failed (with the end of its error output) or, after
+    ``timeout_s``, the ranks still running; either way every rank is killed before it returns.
+    """
+    jobs = [jobs] if isinstance(jobs, RankJob) else list(jobs)
+    if world_size not in (1, 2, 3, 4):
+        raise ValueError(f"world_size must be 1 to 4 on one machine, got {world_size!r}")
+    if port is None:
+        port = free_port()
+    else:
+        _check_port(port)
+    with tempfile.TemporaryDirectory(prefix="anatomy_world_") as tmp:
+        with open(os.path.join(tmp, "jobs.pkl"), "wb") as f:
+            pickle.dump(jobs, f)
+        procs = []
+        try:
+            for rank in range(world_size):
+                env = dict(
+                    os.environ,
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(world_size),
+                    LOCAL_WORLD_SIZE=str(world_size),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    OMP_NUM_THREADS="1",
+                )
+                with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:
+                    procs.append(
+                        subprocess.Popen(
+                            [
+                                sys.executable,
+                                "-m",
+                                "anatomy_helpers.distributed",
+                                "--worker",
+                                tmp,
+                                f"--backend={backend}",
+                            ],
+                            env=env,
+                            stdout=subprocess.DEVNULL,
+                            stderr=err,
+                            start_new_session=True,
+                        )
+                    )
+            _wait(procs, tmp, timeout_s)
+        finally:
+            _stop(procs)
+        results: dict[str, list[RankResult]] = {}
+        for rank in range(world_size):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                for res in pickle.load(f):
+                    results.setdefault(res.strategy, [None] * world_size)[rank] = res
+        return results
+
+
+def _failure_note(tmp: str, rank: int) -> tuple[float, str]:
+    """(when ``rank`` raised, the end of its traceback), from the note its worker left; (inf, "") without one."""
+    try:
+        with open(os.path.join(tmp, f"rank{rank}.failed")) as f:
+            when, _, text = f.read().partition("\n")
+            return float(when), "\n".join(text.rstrip().splitlines()[-12:])
+    except (OSError, ValueError):
+        return float("inf"), ""
+
+
+def _wait(procs: list[subprocess.Popen], tmp: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pids = [p.pid for p in procs]
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            time.sleep(0.5)  # the others usually fail too, a moment later (their peer went away): name the first
+            codes = [p.poll() for p in procs]
+            noted = {r: _failure_note(tmp, r) for r in range(len(procs))}
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0) or noted[r][1]]
+            # a rank killed by a signal, else the one that raised first
+            r = min(failed, key=lambda r: (not (codes[r] or 0) < 0, noted[r][0]))
+            code = codes[r]
+            if code is not None and code < 0:
+                how = f"was killed by {signal.Signals(-code).name}"
+            else:
+                how = "raised an exception" if noted[r][1] else f"exited with code {code}"
+            _stop(procs)
+            err = noted[r][1] or _tail(os.path.join(tmp, f"rank{r}.err"))
+            raise RankFailed(f"rank {r} of {len(procs)} {how}; the other ranks were stopped.\n{err}", r, pids)
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            running = [r for r, c in enumerate(codes) if c is None]
+            _stop(procs)
+            raise RankFailed(
+                f"timed out after {timeout_s:.0f} s: rank(s) {running} still running (a hang, or a rank waiting "
+                "for one that never came); every rank was stopped",
+                running[0],
+                pids,
+            )
+        time.sleep(0.05)
+
+
+# ---- formulas and tables --------------------------------------------------------------------------------------
+
+
+def zero_model_states(
+    strategy: str, n_params: int, world_size: int, *, param_bytes: int = 4, grad_bytes: int = 4, state_bytes: int = 8
+) -> dict[str, float]:
+    """Model states per rank by the ZeRO paper's formulas (bytes): DP holds everything; ZeRO-1 divides the optimizer
+    state by N, ZeRO-2 also the gradients, ZeRO-3 also the parameters. Defaults: fp32 AdamW (4 + 4 + 8 bytes)."""
+    stage = ZERO_STAGE[strategy]
+    n = world_size
+    return {
+        "parameters": n_params * param_bytes / (n if stage >= 3 else 1),
+        "gradients": n_params * grad_bytes / (n if stage >= 2 else 1),
+        "optimizer_state": n_params * state_bytes / (n if stage >= 1 else 1),
+    }
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank's model states (measured just before its last optimizer step) beside the ZeRO formulas (bytes)."""
+
+    strategy: str
+    rank: int
+    world_size: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    communication: int  # alive just before the optimizer step
+    communication_peak: int  # the most communication memory alive at any moment
+    peak: int
+    formula_parameters: float
+    formula_gradients: float
+    formula_optimizer_state: float
+    max_memory_allocated: int | None = None  # CUDA only
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def formula_model_states(self) -> float:
+        return self.formula_parameters + self.formula_gradients + self.formula_optimizer_state
+
+
+def rank_row(result: RankResult) -> RankRow:
+    """The :class:`RankRow` of one rank's result."""
+    formula = zero_model_states(result.strategy, result.n_params, result.world_size)
+    ms = result.model_states
+    return RankRow(
+        strategy=result.strategy,
+        rank=result.rank,
+        world_size=result.world_size,
+        parameters=ms["parameters"],
+        gradients=ms["gradients"],
+        optimizer_state=ms["optimizer_state"],
+        communication=ms["communication"],
+        communication_peak=int(result.trace.timeline.category("communication").max()),
+        peak=result.peak.bytes,
+        formula_parameters=formula["parameters"],
+        formula_gradients=formula["gradients"],
+        formula_optimizer_state=formula["optimizer_state"],
+        max_memory_allocated=result.max_memory_allocated,
+    )
+
+
+def rank_rows(results: dict[str, list[RankResult]]) -> list[RankRow]:
+    """Every rank of every strategy, strategy by strategy, as :class:`RankRow`."""
+    return [rank_row(r) for ranks in results.values() for r in ranks]
+
+
+def format_rank_table(rows: list[RankRow]) -> str:
+    """Measured vs formula per rank: parameters, gradients, optimizer state (measured/formula, MiB), communication
+    before the optimizer step and at its peak, the rank's peak (and max_memory_allocated on CUDA)."""
+    from .tables import Col, format_table
+    from .units import MiB
+
+    cuda = any(r.max_memory_allocated is not None for r in rows)
+    cols = [
+        Col("strategy", 15, align="<"),
+        Col("rank", 4, "d"),
+        Col("params", 13),
+        Col("grads", 13),
+        Col("opt state", 13),
+        Col("comm", 5, ".2f"),
+        Col("comm peak", 9, ".2f"),
+        Col("peak", 6, ".2f"),
+    ] + ([Col("max_alloc", 9, ".2f")] if cuda else [])
+
+    def pair(measured, formula):
+        return f"{measured / MiB:.2f}/{formula / MiB:.2f}"
+
+    out = [
+        [
+            r.strategy,
+            r.rank,
+            pair(r.parameters, r.formula_parameters),
+            pair(r.gradients, r.formula_gradients),
+            pair(r.optimizer_state, r.formula_optimizer_state),
+            r.communication / MiB,
+            r.communication_peak / MiB,
+            r.peak / MiB,
+        ]
+        + ([None if r.max_memory_allocated is None else r.max_memory_allocated / MiB] if cuda else [])
+        for r in rows
+    ]
+    return format_table(cols, out, note="(MiB; model states measured/formula)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m anatomy_helpers.distributed",
+        description="Per-rank memory of DDP, ZeRO-1 and FSDP2 on the course GPT. Under torchrun every rank runs "
+        "here; without it, --world-size local processes are started.",
+    )
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch")
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # run_world's ranks: the folder with jobs.pkl
+    args = parser.parse_args(argv)
+    if args.worker:
+        with open(os.path.join(args.worker, "jobs.pkl"), "rb") as f:
+            jobs = pickle.load(f)
+        results = rank_main(jobs, args.backend, os.path.join(args.worker, f"rank{os.environ['RANK']}.failed"))
+        path = os.path.join(args.worker, f"rank{os.environ['RANK']}.pkl")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(results, f)
+        os.replace(path + ".tmp", path)
+        return 0
+    jobs = [
+        RankJob(s, steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches)
+        for s in args.strategies
+    ]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        backend = args.backend
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.set_num_threads(1)
+        dist.init_process_group(backend)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        device = _rank_device(backend)
+        mine = [run_job(job, rank, world_size, device) for job in jobs]
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object([rank_row(r) for r in mine], gathered, dst=0)
+        dist.destroy_process_group()
+        if rank == 0:
+            print(format_rank_table([row for rows in zip(*gathered) for row in rows]))
+        return 0
+    results = run_world(jobs, args.world_size, backend=args.backend or "gloo")
+    print(format_rank_table(rank_rows(results)))
+    return 0
+
+
+if __name__ == "__main__":  # run through the package's module, so what is pickled names its classes there
+    from anatomy_helpers.distributed import main as _main
+
+    sys.exit(_main())

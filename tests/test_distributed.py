@@ -1,0 +1,164 @@
+"""Per-rank memory under DDP, ZeRO-1 and FSDP2 on a 2-process gloo group, against torch's own figures.
+
+One world runs every strategy once for the whole module (starting processes is what costs time).
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+
+from anatomy_helpers import make_model
+from anatomy_helpers.distributed import (
+    STRATEGIES,
+    RankFailed,
+    RankJob,
+    format_rank_table,
+    rank_rows,
+    run_world,
+    zero_model_states,
+)
+
+from .conftest import SMALL
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world([RankJob(s, steps=1, batch_size=4, model=SMALL) for s in STRATEGIES], WORLD)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(parameter bytes, buffer bytes) of the SMALL model, computed here from its tensors."""
+    model = make_model(device="cpu", **SMALL)
+    return (
+        sum(p.numel() * p.element_size() for p in model.parameters()),
+        sum(b.untyped_storage().nbytes() for b in model.buffers()),
+    )
+
+
+def test_every_strategy_ran_on_every_rank(world):
+    assert set(world) == set(STRATEGIES)
+    assert all([r.rank for r in ranks] == list(range(WORLD)) for ranks in world.values())
+    assert all(r.backend == "gloo" for ranks in world.values() for r in ranks)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_tracked_model_states_match_torchs_own_tensors(world, reference, strategy):
+    _, buffers = reference
+    for r in world[strategy]:
+        assert r.model_states["parameters"] == r.torch_param_bytes + buffers  # buffers count as parameters
+        assert r.model_states["gradients"] == r.torch_grad_bytes
+        assert r.model_states["optimizer_state"] == r.torch_state_bytes
+
+
+def test_replicated_strategies_hold_the_whole_model_on_every_rank(world, reference):
+    params, _ = reference
+    for strategy in ("ddp", "ddp_bucket_view", "zero1"):
+        for r in world[strategy]:
+            assert r.torch_param_bytes == params and r.torch_grad_bytes == params
+
+
+def test_zero1_splits_the_optimizer_state_between_ranks(world):
+    full = world["ddp"][0].torch_state_bytes
+    shards = [r.torch_state_bytes for r in world["zero1"]]
+    assert sum(shards) == full  # each parameter's state lives on exactly one rank
+    assert max(shards) < full
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2_zero2", "fsdp2_zero3"])
+def test_fsdp_shards_parameters_gradients_and_state(world, reference, strategy):
+    params, _ = reference
+    ranks = world[strategy]
+    assert sum(r.torch_param_numel_bytes for r in ranks) == params  # the local shards partition the model
+    for r in ranks:
+        assert r.torch_param_numel_bytes <= r.torch_param_bytes < params  # padding only adds
+        assert r.torch_grad_bytes == r.torch_param_bytes  # a gradient shard per parameter shard
+    full = world["ddp"][0].torch_state_bytes
+    assert all(r.torch_state_bytes < 0.6 * full for r in ranks)  # about half each ...
+    assert sum(r.torch_state_bytes for r in ranks) >= full  # ... plus padding and a step count per rank
+
+
+def test_ddp_buckets_are_communication_unless_gradients_are_views_of_them(world, reference):
+    params, _ = reference
+    for r in world["ddp"]:
+        assert r.model_states["communication"] == params  # the buckets: one copy of every gradient
+    for r in world["ddp_bucket_view"]:
+        assert r.model_states["communication"] == 0
+        assert r.model_states["gradients"] == params  # the buckets are the gradients
+
+
+def test_fsdp_all_gathers_are_communication_and_zero3_frees_them_after_forward(world, reference):
+    params, _ = reference
+    zero2 = [r.trace.timeline.category("communication").max() for r in world["fsdp2_zero2"]]
+    zero3 = [r.trace.timeline.category("communication").max() for r in world["fsdp2_zero3"]]
+    assert min(zero2) >= params  # every block's full parameters alive between forward and backward
+    assert max(zero3) < min(zero2)
+    for r in world["fsdp2_zero3"]:
+        assert r.model_states["communication"] == 0  # nothing all-gathered is left when the optimizer runs
+
+
+def test_collectives_are_marked_where_each_strategy_issues_them(world):
+    def ops(strategy, phase):
+        return {c.op for c in world[strategy][0].collectives if c.phase == phase}
+
+    assert any("allreduce" in op for op in ops("ddp", "backward"))
+    assert any("allgather" in op for op in ops("fsdp2_zero3", "forward"))
+    assert any("allgather" in op for op in ops("fsdp2_zero3", "backward"))  # re-gathered for backward
+    assert any("reduce_scatter" in op for op in ops("fsdp2_zero3", "backward"))
+    assert not any("allgather" in op for op in ops("fsdp2_zero2", "backward"))  # kept from forward
+    assert any("broadcast" in op for op in ops("zero1", "optimizer"))  # each owner sends its updated shard
+
+
+def test_formulas_and_the_table(world):
+    f = zero_model_states("fsdp2_zero3", 1000, 4)
+    assert f == {"parameters": 1000.0, "gradients": 1000.0, "optimizer_state": 2000.0}
+    assert zero_model_states("zero1", 1000, 4)["gradients"] == 4000
+    rows = rank_rows(world)
+    assert len(rows) == len(STRATEGIES) * WORLD
+    text = format_rank_table(rows)
+    assert all(s in text for s in STRATEGIES)
+
+
+# ---- the runner's failure handling ------------------------------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("fault, match", [("raise", "injected fault"), ("kill", "SIGKILL")])
+def test_a_failing_rank_is_named_and_no_process_is_left(fault, match):
+    with pytest.raises(RankFailed, match=match) as info:
+        run_world(RankJob("ddp", model=SMALL, fault=fault, fault_rank=1), WORLD, timeout_s=60)
+    assert info.value.rank == 1 and "rank 1 of 2" in str(info.value)
+    assert all(_gone(pid) for pid in info.value.pids)
+
+
+def test_a_taken_port_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(RuntimeError, match=f"port {s.getsockname()[1]} on 127.0.0.1 is taken"):
+            run_world(RankJob("ddp", model=SMALL), WORLD, port=s.getsockname()[1])
+
+
+def test_bad_jobs_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="strategy"):
+        RankJob("zero4")
+    with pytest.raises(ValueError, match="world_size"):
+        run_world(RankJob("ddp"), 8)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl needs two GPUs")
+@pytest.mark.cuda
+def test_nccl_reports_max_memory_allocated_per_rank():
+    world = run_world(RankJob("fsdp2_zero3", model=SMALL), 2, backend="nccl")
+    assert all(r.max_memory_allocated > 0 for r in world["fsdp2_zero3"])
