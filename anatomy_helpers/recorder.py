@@ -40,6 +40,7 @@ from .trace import Trace
 from .units import MiB
 
 _now = time.perf_counter_ns
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -91,7 +92,6 @@ class Recorder:
         self._windows: list[tuple[int, int, int, int, int, int]] = []  # per op: start, end ns, event index, context
         self._memory_events: list = []  # the allocator's events, once the memory session has stopped
         self._scratch_recorded = False
-        self._recomputing = 0  # > 0 while a checkpointed forward runs again inside backward
         if hasattr(self, "_n_baseline"):
             del self._n_baseline
 
@@ -168,7 +168,11 @@ class Recorder:
         if aid is None:
             if not new:
                 return None
-            if self._recomputing and category == TEMPORARIES:
+            if category == TEMPORARIES and _graph_task_id() != -1 and torch.is_grad_enabled():
+                # Forward code running again inside backward (autograd's own ops run with grad mode off):
+                # activation checkpointing recomputing it. Read per op, not from module hooks, since a
+                # recomputation stops early (its modules' forward hooks never run) and the "attention"
+                # policy recomputes a function, not a module.
                 category = RECOMPUTED
             return self._new(st, self._module if module is None else module, category)
         nbytes = st.nbytes()

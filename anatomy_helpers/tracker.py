@@ -9,9 +9,10 @@ How it sees memory (all of it public torch machinery, removed again on exit):
 * optimizer step hooks (and a wrapped ``zero_grad``) mark the optimizer phase;
   its state is read from ``optimizer.state`` after every step;
 * module forward hooks say which module is running; in backward, the module is
-  the one that saved the tensor autograd has just unpacked. A module that runs
-  forward *inside* backward is activation checkpointing recomputing it: what it
-  allocates then is "recomputed";
+  the one that saved the tensor autograd has just unpacked. An op that runs with
+  grad mode on *inside* backward is activation checkpointing recomputing forward
+  code (autograd runs its own ops with grad mode off): what it allocates then is
+  "recomputed";
 * on CPU, a memory-only profiler session reports the allocator's own events, so
   memory a kernel allocates and frees inside one op counts too, as
   "kernel_scratch" (scratch.py).
@@ -266,14 +267,10 @@ class StepTracker(Recorder):
             def pre(module, args, code=code):
                 self._mod_stack.append(self._module)
                 self._module = code
-                if _graph_task_id() != -1:  # a forward inside backward: checkpointing recomputing it
-                    self._recomputing += 1
 
             def post(module, args, output):
                 if self._mod_stack:
                     self._module = self._mod_stack.pop()
-                if self._recomputing and _graph_task_id() != -1:
-                    self._recomputing -= 1
 
             hook(sub.register_forward_pre_hook(pre))
             hook(sub.register_forward_hook(post))
