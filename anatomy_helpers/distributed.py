@@ -112,6 +112,7 @@ class RankResult:
     torch_param_numel_bytes: int  # numel x element size of the local shards (no padding)
     torch_grad_bytes: int  # storages behind this rank's gradients just before the last optimizer step
     torch_state_bytes: int  # storages behind this rank's optimizer.state (ZeRO: its local optimizer's)
+    torch_state_by_key: dict[str, int]  # the same by state key ("step", "exp_avg", "exp_avg_sq")
     model_states: dict[str, int]  # the tracker's bytes per category just before the last optimizer step
     max_memory_allocated: int | None = None  # CUDA only: torch.cuda.max_memory_allocated over the tracked steps
 
@@ -374,11 +375,21 @@ def run_job(job: RankJob, rank: int, world_size: int, device: torch.device) -> R
         torch_param_numel_bytes=sum(_local(p).numel() * p.element_size() for p in params),
         torch_grad_bytes=grads_seen.get("bytes", 0),
         torch_state_bytes=_storages_bytes(optimizer_state_tensors(state_owner)),
+        torch_state_by_key=_state_by_key(state_owner),
         model_states={c: before[c] for c in ("parameters", "gradients", "optimizer_state", "communication")},
         max_memory_allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     )
     dist.barrier()
     return result
+
+
+def _state_by_key(opt: torch.optim.Optimizer) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for state in opt.state.values():
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor):
+                out[key] = out.get(key, 0) + _local(t).untyped_storage().nbytes()
+    return out
 
 
 def _cdata(p: torch.Tensor) -> int:

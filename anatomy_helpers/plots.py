@@ -24,7 +24,7 @@ CATEGORY_COLORS = {
     "recomputed": "#F0E442",  # yellow: activations made again in backward (checkpointing)
     "temporaries": "#CC79A7",  # reddish purple
     "kernel_scratch": "#666666",  # dark grey: inside one kernel, no tensor (torch.profiler: "unknown")
-    "communication": "#000000",  # black: buffers that exist only for collectives (buckets, all-gathers)
+    "communication": "#332288",  # indigo: buffers that exist only for collectives (buckets, all-gathers)
 }
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
 PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}

@@ -125,7 +125,8 @@ def track_steps(
     ``optimizer_step=False`` stops each step after backward (gradients kept, no optimizer phase).
     ``autocast="bfloat16"`` (or ``"float16"`` on CUDA) runs the forward and the loss under ``torch.autocast``:
     mixed precision the way most PyTorch users train (weights, gradients and optimizer state stay in the model's
-    dtype; matmuls run, and save their inputs, in 16 bits).
+    dtype; matmuls run, and save their inputs, in 16 bits). ``"float16"`` on CUDA also uses a
+    ``torch.amp.GradScaler`` (loss scaled before backward, gradients unscaled and checked in ``scaler.step``).
     ``micro_batches=k`` accumulates gradients: each step splits its batch of ``batch_size`` (the global batch,
     a multiple of k) into k micro-batches of ``batch_size // k`` rows, runs forward and backward of each (loss
     divided by k, so the gradients are the global batch's mean), then one optimizer step. The tracker counts
@@ -171,6 +172,9 @@ def track_steps(
         if autocast is not None
         else contextlib.nullcontext()
     )
+    # fp16's narrow exponent range loses small gradients: scale the loss up, unscale before the step (CUDA only;
+    # bf16 has fp32's range and needs none)
+    scaler = torch.amp.GradScaler(device.type) if autocast == "float16" and device.type == "cuda" else None
     if tracker is None:
         tracker = StepTracker(model, optimizer, budget_bytes=budget_bytes, accumulate=micro_batches > 1)
     with tracker:
@@ -185,18 +189,22 @@ def track_steps(
             if micro_batches == 1:
                 with mixed_precision:
                     loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
-                loss.backward(retain_graph=retain_graph)
+                (loss if scaler is None else scaler.scale(loss)).backward(retain_graph=retain_graph)
             else:  # row slices of the global batch: views of its storage, no copy
                 parts: list = []  # each micro-batch's loss: a float, or the tensor itself with keep="loss"
                 for j in range(0, local, micro):
                     with mixed_precision:
                         part = model(x[j : j + micro], y[j : j + micro])[1] / micro_batches
-                    part.backward(retain_graph=retain_graph)
+                    (part if scaler is None else scaler.scale(part)).backward(retain_graph=retain_graph)
                     parts.append(part if keep == "loss" else part.item())
                     del part
                 loss = parts
             if optimizer_step:
-                optimizer.step()
+                if scaler is None:
+                    optimizer.step()
+                else:  # skips the step if a gradient overflowed, then adapts the scale
+                    scaler.step(optimizer)
+                    scaler.update()
                 optimizer.zero_grad(set_to_none=set_to_none)
             kept.append(loss if keep == "loss" else _loss_value(loss) if keep == "item" else None)
             if progress:

@@ -76,3 +76,23 @@ def test_bad_micro_batches_are_clear_errors(small, kwargs, match):
     model, opt = small
     with pytest.raises(ValueError, match=match):
         track_steps(model, opt, batch_size=8, **kwargs)
+
+
+def test_micro_step_of_counts_the_forwards_of_the_step_so_far(runs):
+    from anatomy_helpers.lessons.scaling import micro_step_of
+
+    trace = runs[4][1]
+    forwards = [ph for ph in trace.phases() if ph.step == 2 and ph.phase == "forward"]
+    assert [micro_step_of(trace, ph.start) for ph in forwards] == [1, 2, 3, 4]
+    assert micro_step_of(trace, trace.optimizer_phase(2).start) == 4
+
+
+def test_accumulation_sweep_rows_come_from_the_traces():
+    from anatomy_helpers.lessons.scaling import accumulation_sweep, format_accumulation
+
+    rows, traces = accumulation_sweep((1, 2), batch_size=4, device="cpu", **SMALL)
+    for row in rows:
+        trace = traces[row.micro_batches]
+        assert row.peak == trace.peak(step=2).bytes
+        assert row.activations == trace.timeline.category("activations")[trace.window(step=2)].max()
+    assert "2/2" in format_accumulation(rows)  # k = 2 peaks in its second micro-step

@@ -1,0 +1,331 @@
+"""Notebook 08: beyond one step on one device: gradient accumulation, mixed precision, and per-rank memory under
+DDP, ZeRO-1 and FSDP2 (the runs themselves: :mod:`anatomy_helpers.distributed`). Bytes unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from ..distributed import (
+    STRATEGIES,
+    RankJob,
+    RankResult,
+    format_rank_table,
+    rank_rows,
+    run_world,
+    zero_model_states,
+)
+from ..plots import CourseFigure, plot_timeline
+from ..tables import Col, format_table
+from ..trace import Trace
+from ..train import make_model, make_optimizer, track_steps
+from ..units import MiB, pick_unit
+
+# The lesson's model: small enough that five strategies on two ranks run in seconds on a laptop.
+CONFIG = dict(n_layer=2, d_model=128, n_head=4, seq_len=64)
+GLOBAL_BATCH = 8
+
+# ---- section 1: gradient accumulation -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AccumulationRow:
+    """Step 2 of a run at one global batch in ``micro_batches`` micro-batches (bytes at step 2's peak)."""
+
+    micro_batches: int
+    micro_batch: int  # rows per micro-batch
+    peak: int
+    activations: int  # the most activation bytes alive at any moment of step 2
+    gradients: int  # at the peak
+    optimizer_state: int  # at the peak
+    peak_phase: str
+    peak_micro_step: int  # which micro-batch's pass holds the peak (1-based)
+    peak_module: str
+
+
+def micro_step_of(trace: Trace, index: int) -> int:
+    """Which micro-step (1-based) of its step timeline sample ``index`` belongs to: forwards of the step so far."""
+    step = int(trace.timeline.step[index])
+    return max(1, sum(1 for ph in trace.phases() if ph.step == step and ph.phase == "forward" and ph.start <= index))
+
+
+def accumulation_sweep(
+    micro_batches=(1, 2, 4, 8), batch_size: int = GLOBAL_BATCH, device=None, **config
+) -> tuple[list[AccumulationRow], dict[int, Trace]]:
+    """Two AdamW steps at global batch ``batch_size`` for each number of micro-batches: rows and traces."""
+    config = {**CONFIG, **config}
+    rows, traces = [], {}
+    for k in micro_batches:
+        model = make_model(device=device, **config)
+        trace = track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=batch_size, micro_batches=k)
+        pk = trace.peak(step=2)
+        window = trace.window(step=2)
+        rows.append(
+            AccumulationRow(
+                micro_batches=k,
+                micro_batch=batch_size // k,
+                peak=pk.bytes,
+                activations=int(trace.timeline.category("activations")[window].max()),
+                gradients=pk.breakdown["gradients"],
+                optimizer_state=pk.breakdown["optimizer_state"],
+                peak_phase=pk.phase,
+                peak_micro_step=micro_step_of(trace, pk.index),
+                peak_module=pk.module,
+            )
+        )
+        traces[k] = trace
+    return rows, traces
+
+
+def format_accumulation(rows: list[AccumulationRow]) -> str:
+    cols = [
+        Col("k", 3, "d"),
+        Col("rows", 4, "d"),
+        Col("peak", 7, ".2f"),
+        Col("activations", 11, ".2f"),
+        Col("gradients", 9, ".2f"),
+        Col("opt state", 9, ".2f"),
+        Col("peak in", 30, align="<", gap="  "),
+    ]
+    out = [
+        [
+            r.micro_batches,
+            r.micro_batch,
+            r.peak / MiB,
+            r.activations / MiB,
+            r.gradients / MiB,
+            r.optimizer_state / MiB,
+            f"{r.peak_phase} {r.peak_micro_step}/{r.micro_batches}, {r.peak_module}",
+        ]
+        for r in rows
+    ]
+    return format_table(cols, out, note="(MiB, step 2; k micro-batches of `rows` rows)")
+
+
+# ---- section 2: mixed precision -----------------------------------------------------------------------------
+
+PRECISIONS = {
+    "fp32": {},
+    "fp32 + autocast bf16": {"autocast": "bfloat16"},
+    "pure bf16": {"dtype": "bfloat16"},
+}
+
+
+@dataclass(frozen=True)
+class PrecisionRow:
+    """Bytes per parameter of each model state (just before step 2's optimizer), and the activation peak."""
+
+    setup: str
+    parameters: float  # bytes per parameter
+    gradients: float
+    optimizer_state: float
+    activations: int  # the most activation bytes alive in step 2
+    weight_copies: int  # bf16 copies of weights autograd saved (autocast's cached casts), distinct storages
+    saved_16bit: float  # fraction of the saved activation bytes that are 16-bit
+
+
+def precision_table(batch_size: int = GLOBAL_BATCH, device=None, **config) -> list[PrecisionRow]:
+    """fp32, fp32 under ``torch.autocast(bfloat16)``, and a pure-bf16 model (bf16 AdamW state), two steps each."""
+    config = {**CONFIG, **config}
+    rows = []
+    for name, setup in PRECISIONS.items():
+        model = make_model(device=device, **config, **({"dtype": setup["dtype"]} if "dtype" in setup else {}))
+        n = sum(p.numel() for p in model.parameters())
+        shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+        trace = track_steps(
+            model, make_optimizer(model, "adamw"), steps=2, batch_size=batch_size, autocast=setup.get("autocast")
+        )
+        before = trace.at(trace.phase(2, "optimizer").start - 1)
+        saved = [s for s in trace.saved if s.step == 2 and s.category == "activations"]
+        copies = {s.storage: s.storage_bytes for s in saved if s.dtype == torch.bfloat16 and tuple(s.shape) in shapes}
+        distinct = {s.storage: s for s in saved}
+        total = sum(s.storage_bytes for s in distinct.values())
+        low = sum(s.storage_bytes for s in distinct.values() if s.dtype in (torch.bfloat16, torch.float16))
+        rows.append(
+            PrecisionRow(
+                setup=name,
+                parameters=(before["parameters"] - _buffers(model)) / n,
+                gradients=before["gradients"] / n,
+                optimizer_state=before["optimizer_state"] / n,
+                activations=int(trace.timeline.category("activations")[trace.window(step=2)].max()),
+                weight_copies=sum(copies.values()),
+                saved_16bit=low / total if total else 0.0,
+            )
+        )
+    return rows
+
+
+def _buffers(model) -> int:
+    return sum(b.untyped_storage().nbytes() for b in model.buffers())
+
+
+def format_precision(rows: list[PrecisionRow]) -> str:
+    cols = [
+        Col("setup", 21, align="<"),
+        Col("params", 6, ".2f"),
+        Col("grads", 5, ".2f"),
+        Col("state", 5, ".2f"),
+        Col("activations MiB", 15, ".2f"),
+        Col("bf16 weight copies MiB", 22, ".2f"),
+        Col("saved 16-bit", 12, ".0%"),
+    ]
+    out = [
+        [
+            r.setup,
+            r.parameters,
+            r.gradients,
+            r.optimizer_state,
+            r.activations / MiB,
+            r.weight_copies / MiB,
+            r.saved_16bit,
+        ]
+        for r in rows
+    ]
+    return format_table(cols, out, note="(bytes per parameter; step 2)")
+
+
+# ---- section 3: data parallelism ----------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=8)
+def measure_world(
+    world_size: int = 2, micro_batches: int = 1, strategies: tuple = tuple(STRATEGIES), backend: str = "gloo"
+) -> dict[str, list[RankResult]]:
+    """Every strategy in ``strategies`` on one world of ``world_size`` ranks (cached: the panel re-reads it)."""
+    jobs = [
+        RankJob(s, steps=1, batch_size=GLOBAL_BATCH, micro_batches=micro_batches, model=dict(CONFIG))
+        for s in strategies
+    ]
+    return run_world(jobs, world_size, backend=backend, timeout_s=300)
+
+
+def plot_rank_timelines(results: dict[str, list[RankResult]], strategies=None, *, x: str = "event", title=None):
+    """One timeline per (strategy, rank): strategies down, ranks across, one y scale; collectives as ticks on top
+    (filled: all-gather, hollow: reduce-scatter or all-reduce, x: broadcast). Returns the Figure."""
+    strategies = list(strategies or results)
+    ranks = len(results[strategies[0]])
+    fig = CourseFigure(figsize=(5.2 * ranks, 2.6 * len(strategies) + 0.5), layout="constrained")
+    axes = fig.subplots(len(strategies), ranks, squeeze=False)
+    top = max(r.trace.timeline.total.max() for s in strategies for r in results[s])
+    unit, scale = pick_unit(top)
+    for i, s in enumerate(strategies):
+        for j, r in enumerate(results[s]):
+            ax = axes[i, j]
+            plot_timeline(r.trace, ax=ax, x=x, title=f"{s}, rank {r.rank}", annotate_peak=False)
+            ax.set_ylim(0, top / scale * 1.25)
+            for text in list(ax.texts):
+                text.remove()  # phase and step labels would crowd the small panels
+            xs = np.arange(len(r.trace.timeline)) if x == "event" else r.trace.timeline.time_s * 1e3
+            for c in r.collectives:
+                xi = xs[min(max(c.index, 0), len(xs) - 1)]
+                marker = "v" if "allgather" in c.op else "x" if "broadcast" in c.op else "o"
+                ax.plot(
+                    [xi],
+                    [top / scale * 1.18],
+                    marker=marker,
+                    color="black",
+                    markersize=4,
+                    fillstyle="none" if marker == "o" else "full",
+                )
+            ax.set_xlabel("memory event" if x == "event" else "time (ms)", fontsize=8)
+            if (i, j) != (0, ranks - 1):
+                ax.get_legend().remove()
+    fig.suptitle(title or "Per-rank memory: same model, same global batch")
+    return fig
+
+
+def phase_seconds(trace: Trace, step: int, phase: str) -> float:
+    """Wall time of ``step``'s first ``phase`` run, from its phase mark to the next one (s)."""
+    marks = trace.phase_marks
+    for a, b in zip(marks, marks[1:] + [None]):
+        if a.step == step and a.phase == phase:
+            return (b.time_s if b is not None else trace.duration_s) - a.time_s
+    raise ValueError(f"step {step} has no {phase!r} phase")
+
+
+def straggler_run(delay_s: float = 0.3, strategy: str = "ddp", world_size: int = 2) -> list[RankResult]:
+    """One tracked step in which the last rank sleeps ``delay_s`` at the end of its forward (a slow GPU)."""
+    job = RankJob(strategy, steps=1, batch_size=GLOBAL_BATCH, model=dict(CONFIG), straggler_s=delay_s)
+    return run_world(job, world_size, timeout_s=300)[strategy]
+
+
+def scaling_panel(strategy: str = "fsdp2_zero3", world_size: int = 2, micro_batches: int = 1):
+    """Per-rank timelines of one strategy (one world per (world size, micro-batches), all strategies, cached),
+    with its rows of the measured-vs-formula table printed above. Returns the Figure."""
+    results = measure_world(world_size, micro_batches)
+    print(format_rank_table([row for row in rank_rows(results) if row.strategy == strategy]))
+    return plot_rank_timelines(
+        {strategy: results[strategy]},
+        title=f"{STRATEGIES[strategy]}: {world_size} ranks, {micro_batches} micro-batch(es) per rank",
+    )
+
+
+@dataclass(frozen=True)
+class FormulaGap:
+    """Why one rank's measured model states differ from the ZeRO formulas (bytes, measured minus formula)."""
+
+    strategy: str
+    rank: int
+    parameters: int  # measured minus formula
+    buffers: int  # tensors the model registers besides parameters (the causal mask), counted with parameters
+    padding: int  # FSDP pads each parameter's dim 0 to a multiple of the world size before sharding
+    optimizer_state: int  # measured minus formula
+    step_counts: int  # AdamW's "step" (a scalar tensor per parameter) on every rank holding state for it
+    moments_vs_share: int  # this rank's exp_avg + exp_avg_sq minus the formula's share (uneven split, padding)
+    communication_peak: int  # the most bucket / all-gather / reduce-scatter memory alive at once (no formula term)
+
+
+def formula_gaps(results: dict[str, list[RankResult]], buffers: int) -> list[FormulaGap]:
+    """Each rank's :class:`FormulaGap`; ``buffers`` is the model's buffer bytes (measured from the model)."""
+    out = []
+    for ranks in results.values():
+        for r in ranks:
+            formula = zero_model_states(r.strategy, r.n_params, r.world_size)
+            steps = r.torch_state_by_key.get("step", 0)
+            out.append(
+                FormulaGap(
+                    strategy=r.strategy,
+                    rank=r.rank,
+                    parameters=r.model_states["parameters"] - int(formula["parameters"]),
+                    buffers=buffers,
+                    padding=r.torch_param_bytes - r.torch_param_numel_bytes,
+                    optimizer_state=r.model_states["optimizer_state"] - int(formula["optimizer_state"]),
+                    step_counts=steps,
+                    moments_vs_share=r.torch_state_bytes - steps - int(formula["optimizer_state"]),
+                    communication_peak=int(r.trace.timeline.category("communication").max()),
+                )
+            )
+    return out
+
+
+def format_formula_gaps(gaps: list[FormulaGap]) -> str:
+    cols = [
+        Col("strategy", 15, align="<"),
+        Col("rank", 4, "d"),
+        Col("params", 8, "+,d"),
+        Col("buffers", 7, ",d"),
+        Col("padding", 7, ",d"),
+        Col("opt state", 9, "+,d"),
+        Col("steps", 5, ",d"),
+        Col("moments", 8, "+,d"),
+        Col("comm peak", 10, ",d"),
+    ]
+    rows = [
+        [
+            g.strategy,
+            g.rank,
+            g.parameters,
+            g.buffers,
+            g.padding,
+            g.optimizer_state,
+            g.step_counts,
+            g.moments_vs_share,
+            g.communication_peak,
+        ]
+        for g in gaps
+    ]
+    return format_table(cols, rows, note="(bytes: measured minus formula, and what makes up the difference)")
