@@ -1,4 +1,9 @@
-"""``python -m anatomy_helpers``: track a few training steps and report where the memory went."""
+"""``python -m anatomy_helpers``: track a few training steps and report where the memory went.
+
+``python -m anatomy_helpers predict ...``: dry-run two steps of a configuration and say whether it fits on a GPU
+(which phase of which step runs out first), without running it (notebook 06; ``--json`` for a machine-readable
+answer, ``--fix`` for the ranked candidate fixes).
+"""
 
 from __future__ import annotations
 
@@ -74,7 +79,96 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_predict_parser() -> argparse.ArgumentParser:
+    from .checkpointing import CHECKPOINT_POLICIES
+    from .lessons.prediction import DEVICES, IMPLEMENTATION_FLAGS
+
+    d = ModelConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m anatomy_helpers predict",
+        description="Dry-run two training steps (fake tensors: nothing is allocated) and say whether they fit on a "
+        "GPU, and if not, which phase of which step runs out first.",
+    )
+    p.add_argument("--block", choices=("gpt2", "llama"), default="gpt2", help="block (default: gpt2)")
+    p.add_argument("--layers", type=_positive_int, default=d.n_layer, help=f"transformer blocks (default: {d.n_layer})")
+    p.add_argument("--d-model", type=_positive_int, default=d.d_model, help=f"hidden size (default: {d.d_model})")
+    p.add_argument("--heads", type=_positive_int, default=d.n_head, help=f"attention heads (default: {d.n_head})")
+    p.add_argument("--kv-heads", type=_positive_int, default=None, help="llama: key/value heads (default: heads)")
+    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help=f"sequence length (default: {d.seq_len})")
+    p.add_argument("--vocab", type=_positive_int, default=d.vocab_size, help=f"vocabulary (default: {d.vocab_size})")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per batch (default: 8)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
+    p.add_argument("--impl", choices=tuple(IMPLEMENTATION_FLAGS), default="foreach", help="(default: foreach)")
+    p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
+    p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None, help="mixed precision (default: off)")
+    p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default="none", help="(default: none)")
+    p.add_argument("--gpu", choices=tuple(DEVICES), default="T4 16 GB", help="the device (default: 'T4 16 GB')")
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.add_argument("--fix", action="store_true", help="also dry-run and rank the candidate fixes")
+    return p
+
+
+def predict_main(argv: list[str]) -> int:
+    import json
+
+    from .lessons.prediction import cheapest_fix, fixes_table, will_it_fit
+
+    parser = build_predict_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = ModelConfig(
+            block=args.block,
+            n_layer=args.layers,
+            d_model=args.d_model,
+            n_head=args.heads,
+            n_kv_head=args.kv_heads,
+            seq_len=args.seq_len,
+            vocab_size=args.vocab,
+            attn_impl=args.attn,
+            dtype=args.dtype,
+            checkpoint=args.checkpoint,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    kw = dict(optimizer=args.optimizer, implementation=args.impl, autocast=args.autocast, device=args.gpu)
+    report = will_it_fit(cfg, args.batch_size, **kw)
+    fixes = cheapest_fix(cfg, args.batch_size, **kw) if args.fix else []
+    if args.json:
+        answer = {
+            "config": report.label,
+            "device": report.device,
+            "capacity_bytes": report.capacity,
+            "usable_bytes": report.usable,
+            "fits": report.fits,
+            "runs_out_first": None if report.failure is None else dict(zip(("step", "phase"), report.failure)),
+            "phases": [
+                dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved)
+                for p in report.phases
+            ],
+            "fixes": [
+                dict(
+                    change=f.name,
+                    fits=f.fits,
+                    peak_bytes=f.report.peak.tensors,
+                    extra_flops=f.extra_flops,
+                    changes_training=f.changes_training,
+                )
+                for f in fixes
+            ],
+        }
+        print(json.dumps(answer, indent=2))
+    else:
+        print(report.table())
+        if fixes:
+            print(fixes_table(fixes))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["predict"]:
+        return predict_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -76,3 +76,21 @@ def test_help_describes_the_options(capsys):
         "--out",
     ]:
         assert flag in out
+
+
+def test_predict_says_which_phase_runs_out(capsys):
+    import json
+
+    assert main(["predict", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq-len", "32"]) == 0
+    assert "FITS" in capsys.readouterr().out
+    big = ["predict", "--layers", "12", "--d-model", "768", "--heads", "12", "--seq-len", "1024", "--vocab", "50304"]
+    assert main([*big, "--attn", "sdpa", "--batch-size", "12", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert not answer["fits"] and answer["runs_out_first"] == {"step": 2, "phase": "backward"}
+    assert len(answer["phases"]) == 6 and answer["usable_bytes"] < answer["capacity_bytes"]
+
+
+def test_predict_bad_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--heads", "3"])
+    assert e.value.code == 2 and "divisible by n_head" in capsys.readouterr().err
