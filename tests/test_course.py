@@ -1,13 +1,28 @@
-"""The course as a whole: README links, notebook conventions."""
+"""The course as a whole: README links, notebook conventions, the slug in one place, the learner copies."""
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-SLUG = "training-step-anatomy/training-step-anatomy"
+
+
+def load_script(name: str):
+    """A module of scripts/ (they are not a package), imported by path."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+course_links = load_script("course_links")
+learner_copies = load_script("learner_copies")
+SLUG, REF = course_links.course_config()
 
 
 def code_cells(path):
@@ -19,20 +34,49 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_readme_links_the_notebook_on_colab_and_binder(nb):
+def test_readme_links_the_notebook_to_read_and_its_learner_copy_on_colab_and_binder(nb):
     readme = (ROOT / "README.md").read_text()
-    assert f"(notebooks/{nb.name})" in readme
-    assert f"colab.research.google.com/github/{SLUG}/blob/main/notebooks/{nb.name}" in readme
-    assert f"mybinder.org/v2/gh/{SLUG}/main?urlpath=lab/tree/notebooks/{nb.name}" in readme
+    assert f"(notebooks/{nb.name})" in readme  # to read: executed, every output
+    assert f"colab.research.google.com/github/{SLUG}/blob/{REF}/learner/{nb.name})" in readme
+    assert f"mybinder.org/v2/gh/{SLUG}/{REF}?urlpath=lab/tree/learner/{nb.name})" in readme
+
+
+def test_readme_badges_open_the_tour():
+    readme = (ROOT / "README.md").read_text()
+    head = readme.split("## ", 1)[0]
+    assert f"github.com/{SLUG}/actions/workflows/ci.yml/badge.svg" in head
+    assert f"colab.research.google.com/github/{SLUG}/blob/{REF}/learner/00_tour.ipynb" in head
+    assert f"mybinder.org/v2/gh/{SLUG}/{REF}?urlpath=lab/tree/learner/00_tour.ipynb" in head  # JupyterLab, the tour
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+
+
+def test_every_course_link_agrees_with_the_slug_in_pyproject():
+    assert course_links.check(SLUG, REF) == []
+
+
+def test_the_slug_check_finds_and_fixes_a_stale_link():
+    stale = "[![c](x)](https://colab.research.google.com/github/someone/training-step-anatomy/blob/dev/learner/a.ipynb)"
+    text = f'{stale}\n"git+https://github.com/someone/training-step-anatomy@dev"\nhttps://github.com/pytorch/pytorch\n'
+    fixed, wrong = course_links.fix(text, "me/training-step-anatomy", "main")
+    assert len(wrong) == 4  # two slugs, two refs; pytorch/pytorch is not a course link
+    assert fixed.count("me/training-step-anatomy") == 2 and "@main" in fixed and "/blob/main/" in fixed
+    assert "https://github.com/pytorch/pytorch" in fixed
+    assert course_links.UNPINNED.search('"git+https://github.com/me/training-step-anatomy"')
+    assert not course_links.UNPINNED.search('"git+https://github.com/me/training-step-anatomy@v1.0"')
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_first_cell_sets_up_colab_and_device(nb):
+def test_first_cell_installs_like_colab_and_picks_the_device(nb):
     first = "".join(code_cells(nb)[0]["source"])
-    assert '"google.colab" in sys.modules' in first
-    assert f"git+https://github.com/{SLUG}" in first
-    assert "torch" not in first.split("google.colab")[1].split("import")[0]  # never reinstalls torch
-    assert "pick_device()" in first
+    install = f'COURSE = "git+https://github.com/{SLUG}@{REF}"'
+    assert install in first  # pinned to the branch the badges open
+    colab = first.split('if "google.colab" in sys.modules:', 1)[1].split("\n\n", 1)[0]
+    assert '"pip", "install", "-q", f"anatomy_helpers @ {COURSE}"' in colab  # not editable (-e), not torch
+    assert "torch" not in colab and "-e" not in colab.split(",") and "--upgrade" not in colab
+    assert "device = pick_device()" in first and 'print(f"Using device: {device}")' in first
+    assert "Change runtime type" in first  # a CPU runtime on Colab is told how to get the GPU
+    meta = json.loads(nb.read_text())["metadata"]
+    assert meta["accelerator"] == "GPU" and meta["colab"]["gpuType"] == "T4"  # Colab opens it on a GPU runtime
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
@@ -44,3 +88,38 @@ def test_stored_outputs_are_clean(nb):
             assert out.get("name") != "stderr" or "NBVAL_IGNORE_OUTPUT" in "".join(cell["source"]), (
                 f"stderr in a compared cell: {''.join(out.get('text', ''))[:200]}"
             )
+
+
+def test_learner_copies_are_in_sync_with_the_notebooks():
+    assert learner_copies.problems() == [], "run `python scripts/learner_copies.py` and commit learner/"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_learner_copy_has_no_outputs_and_the_same_code(nb):
+    copy = json.loads((ROOT / "learner" / nb.name).read_text())
+    assert all(not c["outputs"] and c["execution_count"] is None for c in copy["cells"] if c["cell_type"] == "code")
+    assert "widgets" not in copy["metadata"]
+    assert [c["source"] for c in copy["cells"] if c["cell_type"] == "code"] == [c["source"] for c in code_cells(nb)]
+    text = json.dumps(copy)
+    assert "](../" not in text.replace("](../notebooks/", "").replace("](../learner/", "")  # no repo-relative links
+
+
+def test_learner_copy_generation(tmp_path):
+    nb = {
+        "cells": [
+            {"cell_type": "markdown", "id": "a", "metadata": {}, "source": ["# T\n", "see [refs](../docs/r.md)"]},
+            {"cell_type": "code", "id": "b", "metadata": {"execution": {"x": 1}}, "source": ["1"],
+             "execution_count": 3, "outputs": [{"output_type": "stream", "name": "stdout", "text": ["1"]}]},
+        ],
+        "metadata": {"widgets": {"state": {}}, "kernelspec": {}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }  # fmt: skip
+    out = learner_copies.learner_copy(nb, "09_x.ipynb", "me/repo", "main")
+    assert [c["id"] for c in out["cells"]] == ["a", learner_copies.NOTE_ID, "b"]
+    assert out["cells"][0]["source"] == ["# T\n", "see [refs](https://github.com/me/repo/blob/main/docs/r.md)"]
+    assert "https://github.com/me/repo/blob/main/notebooks/09_x.ipynb" in "".join(out["cells"][1]["source"])
+    assert out["cells"][2] == {"cell_type": "code", "id": "b", "metadata": {}, "source": ["1"],
+                               "execution_count": None, "outputs": []}  # fmt: skip
+    assert out["metadata"] == {"kernelspec": {}}
+    assert nb["cells"][1]["outputs"]  # the executed notebook is left alone
