@@ -1,17 +1,7 @@
 #!/usr/bin/env bash
-# Set up (if needed) and open the course in JupyterLab.
-#   bash scripts/lab.sh
+# Set up .venv (once, then offline) and open the course in JupyterLab, on the learner notebooks (learner/).
+#   bash scripts/lab.sh [--executed] [JUPYTER ARGS]   # --executed: the notebooks with their outputs (notebooks/)
+# The work is done by scripts/course.py (the same on Windows: scripts\lab.cmd). PYTHON picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-. .venv/bin/activate
-# Keep a torch that is already installed (CPU or CUDA); otherwise install the pinned release.
-python -c "import torch" 2>/dev/null || pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-pip install -q -r requirements.txt
-pip install -q --no-deps -e .
-extra=()
-[ "$(id -u)" = 0 ] && extra+=(--allow-root)  # containers and CI run as root
-exec jupyter lab notebooks/ "${extra[@]}" "$@"
+exec "${PYTHON:-python3}" scripts/course.py lab "$@"

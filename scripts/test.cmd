@@ -1,0 +1,9 @@
+@echo off
+rem Windows: set up .venv (once) and run the whole test suite, as `bash scripts/test.sh` does.
+rem   scripts\test.cmd [PYTEST ARGS]   (the work is done by course.py)
+setlocal
+cd /d "%~dp0.."
+set "PY=python"
+where py >nul 2>nul && set "PY=py -3"
+%PY% scripts\course.py test %*
+exit /b %ERRORLEVEL%

@@ -1,0 +1,116 @@
+"""scripts/course.py, the setup logic behind lab.sh / test.sh / lab.cmd / test.cmd: the parts a CPU Linux CI can check
+for every platform (Windows paths, which torch comes from where, the offline launch). The real installs are in
+tests/test_wheelhouse.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .test_course import ROOT, load_script
+
+course = load_script("course")
+
+
+def test_venv_python_on_windows_and_elsewhere():
+    venv = Path("C:/course/.venv")
+    assert course.venv_python(venv, windows=True) == venv / "Scripts" / "python.exe"
+    assert course.venv_python(venv, windows=False) == venv / "bin" / "python"
+
+
+@pytest.mark.parametrize(
+    "system, gpu, index",
+    [("Linux", False, course.CPU_INDEX), ("Windows", False, course.CPU_INDEX), ("Linux", True, None),
+     ("Darwin", False, None), ("Darwin", True, None)],
+)  # fmt: skip
+def test_torch_comes_from_the_cpu_index_on_cpu_linux_and_windows(system, gpu, index):
+    attempts = course.torch_attempts(system=system, gpu=gpu, version="2.13.0")
+    assert attempts[0][1] == ["--no-index", "--no-deps", "torch==2.13.0"]  # a wheel already here: no network
+    network = attempts[-1][1]
+    assert network[-1] == "torch==2.13.0"
+    assert (network[network.index("--index-url") + 1] if "--index-url" in network else None) == index
+
+
+def test_torch_from_a_wheelhouse_never_reaches_an_index(tmp_path):
+    [(_, args)] = course.torch_attempts(system="Linux", gpu=False, wheelhouse=tmp_path)
+    assert args[:3] == ["--no-index", "--find-links", str(tmp_path)]
+
+
+def fake_env(tmp_path) -> "course.Env":
+    return course.Env(Path(sys.executable), tmp_path, is_venv=False)
+
+
+def test_setup_runs_once_then_launches_offline(tmp_path, monkeypatch):
+    env = fake_env(tmp_path)
+    calls = []
+    monkeypatch.setattr(course, "setup", lambda env, **kw: calls.append(kw) or env.stamp.write_text(json.dumps(
+        {"key": course.setup_key(kw["dev"]), "learner_key": course.setup_key(False)})))  # fmt: skip
+    course.ensure_setup(env, dev=False, gpu=False, wheelhouse=None)
+    course.ensure_setup(env, dev=False, gpu=False, wheelhouse=None)
+    assert len(calls) == 1  # the second launch touched neither pip nor the network
+    course.ensure_setup(env, dev=True, gpu=False, wheelhouse=None)
+    course.ensure_setup(env, dev=False, gpu=False, wheelhouse=None)  # a dev setup serves the learner too
+    assert [c["dev"] for c in calls] == [False, True]
+
+
+def test_changed_requirements_set_up_again_and_a_failed_update_still_launches(tmp_path, monkeypatch, capsys):
+    env = fake_env(tmp_path)
+    env.stamp.write_text(json.dumps({"key": "old", "learner_key": "old"}))
+
+    def offline_setup(env, **kw):
+        raise subprocess.CalledProcessError(1, ["pip", "install"])
+
+    monkeypatch.setattr(course, "setup", offline_setup)
+    course.ensure_setup(env, dev=False, gpu=False, wheelhouse=None)  # does not raise: launch anyway
+    assert "updating failed" in capsys.readouterr().out
+    env.stamp.unlink()
+    with pytest.raises(subprocess.CalledProcessError):  # never set up: nothing to launch
+        course.ensure_setup(env, dev=False, gpu=False, wheelhouse=None)
+
+
+def test_setup_key_follows_the_requirement_files(tmp_path, monkeypatch):
+    req = tmp_path / "requirements.txt"
+    req.write_text("numpy\n")
+    monkeypatch.setattr(course, "LEARNER_REQUIREMENTS", req)
+    before = course.setup_key(False)
+    req.write_text("numpy\nscipy\n")
+    assert course.setup_key(False) != before
+
+
+def test_learner_and_development_requirements_are_split():
+    learner = (ROOT / "requirements.txt").read_text()
+    dev = (ROOT / "requirements-dev.txt").read_text()
+    for tool in ("pytest", "ruff", "nbval"):
+        assert tool not in learner.split("# The development tools")[0].split("\n", 4)[-1] and tool in dev
+    assert "-r requirements.txt" in dev
+    names = [line.split(">")[0].split("=")[0].strip() for line in learner.splitlines() if line and line[0] != "#"]
+    assert names == ["torch", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "ipykernel"]
+
+
+def test_the_shell_and_windows_wrappers_only_call_course_py():
+    for name, command in (("lab", "lab"), ("test", "test")):
+        sh = (ROOT / "scripts" / f"{name}.sh").read_text()
+        assert f'scripts/course.py {command} "$@"' in sh and "pip install" not in sh
+        cmd = (ROOT / "scripts" / f"{name}.cmd").read_bytes()
+        assert b"\r\n" in cmd and f"scripts\\course.py {command} %*".encode() in cmd
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_course_py_runs_on_the_standard_library_alone():
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", str(ROOT / "scripts" / "course.py"), "--help"],  # -S: no site-packages
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "lab" in out.stdout and "--wheelhouse" in out.stdout and "--here" in out.stdout
+
+
+def test_lab_settings_switch_off_the_news_pop_up():
+    settings = json.loads(course.LAB_SETTINGS.read_text())
+    assert settings["@jupyterlab/apputils-extension:notification"] == {"checkForUpdates": False, "fetchNews": "false"}
+    assert (
+        course.lab_settings_target(Path("/env"))
+        .as_posix()
+        .endswith("share/jupyter/lab/settings/overrides.d/training-step-anatomy.json")
+    )
