@@ -1,15 +1,26 @@
-"""Open the tour notebook in a real JupyterLab in headless Chromium, run it, and move a slider.
+"""The course's widgets in a real JupyterLab, in headless Chromium: what nbval cannot see.
 
-    python scripts/browser_check.py [--chromium /usr/bin/chromium] [--screenshot lab.png]
+    python scripts/browser_check.py [NN ...] [--artifacts DIR]      # default: every learner notebook with a panel
 
-Checks what nbval cannot: that the widgets render in JupyterLab and re-measure when a slider moves.
-Needs Chromium and `pip install playwright` (no browser download: it drives the system Chromium).
-Works on a copy of notebooks/, so the committed outputs are untouched. Prints PASS/FAIL lines.
+For each learner notebook with a slider panel: open it in JupyterLab, run all cells, check that no cell shows an
+error, move one slider (the first, in page order, that can move up; a dropdown where a panel has no slider), and
+check that the panel re-measured: its printed numbers and its plot (the image bytes) differ from before the move.
+Screenshots of each panel before and after go to --artifacts.
+tests/test_browser.py runs the same in CI (`bash scripts/test.sh`).
+
+Needs Chromium (Debian's `chromium`; google-chrome works too) and PyPI's `playwright`, which drives that browser
+(playwright's own browser downloads are not used). `ensure_browser()` installs both when missing and it can (root or
+passwordless sudo for apt-get). JupyterLab runs on a free loopback port with a token, on a copy of the notebooks
+(learner/ stays untouched), with the course's Lab settings, and is stopped by its PID.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -17,9 +28,72 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+LEARNER = ROOT / "learner"
+BROWSERS = ["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"]
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def find_chromium() -> str | None:
+    for candidate in [os.environ.get("CHROMIUM", ""), "/usr/bin/chromium", *BROWSERS]:
+        path = shutil.which(candidate) if candidate else None
+        if path:
+            return path
+    return None
+
+
+def _can_apt() -> list[str] | None:
+    """The prefix that runs apt-get as root here ([] as root, ['sudo', '-n'] with passwordless sudo), or None."""
+    if not shutil.which("apt-get"):
+        return None
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return []
+    if shutil.which("sudo") and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0:
+        return ["sudo", "-n"]
+    return None
+
+
+def ensure_browser(log=print) -> tuple[str | None, str]:
+    """(Chromium's path, "") once Chromium and playwright are both here, installing what is missing; else
+    (None, why not)."""
+    chromium = find_chromium()
+    if chromium is None:
+        prefix = _can_apt()
+        if prefix is None:
+            return None, "no Chromium, and apt-get cannot install it here (needs root or passwordless sudo)"
+        log("installing Debian's chromium with apt-get (once per machine)")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
+                                                     "chromium"]):  # fmt: skip
+            done = subprocess.run([*prefix, *cmd], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+            if done.returncode:
+                return None, f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-300:]}"
+        chromium = find_chromium()
+        if chromium is None:
+            return None, "apt-get installed chromium, but no chromium executable is on PATH"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        log("installing playwright from PyPI (it drives the system Chromium; no browser download)")
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "playwright"], capture_output=True,
+                              text=True)  # fmt: skip
+        if done.returncode:
+            return None, f"pip install playwright failed: {done.stderr.strip()[-300:]}"
+    return chromium, ""
+
+
+def panel_notebooks(folder: Path = LEARNER) -> list[Path]:
+    """The notebooks in ``folder`` with a slider panel."""
+    found = []
+    for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        if any("slider_panel(" in "".join(c["source"]) for c in cells if c["cell_type"] == "code"):
+            found.append(path)
+    return found
 
 
 def free_port() -> int:
@@ -28,80 +102,222 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lab(root_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-           "--IdentityProvider.token=", "--allow-root", f"--ServerApp.root_dir={root_dir}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(240):
+@contextmanager
+def jupyterlab(root_dir: Path, work: Path):
+    """A JupyterLab server for ``root_dir``: yields (base URL, token). Stopped by its PID on exit."""
+    port, token = free_port(), secrets.token_hex(16)
+    settings = work / "app-settings"
+    settings.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "jupyter" / "lab-overrides.json", settings / "overrides.json")  # the course's settings
+    env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(work / "user-settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"), PYDEVD_DISABLE_FILE_VALIDATION="1")  # fmt: skip
+    env.pop("MPLBACKEND", None)  # the inline backend, as a learner has it
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root_dir}", "--allow-root",
+           f"--LabApp.app_settings_dir={settings}", "--LabApp.expose_app_in_browser=True"]  # fmt: skip
+    log = open(work / "jupyterlab.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"JupyterLab did not start; see {work / 'jupyterlab.log'}") from None
+                time.sleep(0.25)
+        yield base, token
+    finally:
+        proc.terminate()  # by PID: SIGTERM, the server shuts its kernels down
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=1)
-            return proc
-        except OSError:
-            time.sleep(0.25)
-    proc.terminate()
-    raise SystemExit("FAIL JupyterLab did not start")
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
-def drive(page, port: int, results: list) -> None:
-    """Open the tour, run all cells, wait for the slider panel, move the batch-size slider."""
-    page.goto(f"http://127.0.0.1:{port}/lab/tree/00_tour.ipynb")
-    page.wait_for_selector(".jp-Notebook", timeout=120_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-    page.locator(".jp-Notebook").click()
-    page.keyboard.press("Escape")
-    page.get_by_role("menuitem", name="Run", exact=True).click()
-    page.get_by_text("Run All Cells", exact=True).click()
-    panel = page.locator(".widget-interact").first
-    panel.locator(".widget-slider").first.wait_for(timeout=240_000)
-    results.append(("slider panel renders", True))
-    panel.locator("img").first.wait_for(timeout=120_000)
-    results.append(("panel shows the measured plot", True))
-    before = panel.inner_text()
-    panel.locator(".ui-slider-handle, .noUi-handle").first.focus()
-    page.keyboard.press("ArrowRight")  # batch size 8 -> 9
+def stop_kernels(base: str, token: str) -> None:
+    """Shut down every kernel of the server (REST API: no dialog to answer)."""
+    headers = {"Authorization": f"token {token}"}
+    kernels = json.load(urllib.request.urlopen(urllib.request.Request(f"{base}/api/kernels", headers=headers)))
+    for k in kernels:
+        req = urllib.request.Request(f"{base}/api/kernels/{k['id']}", method="DELETE", headers=headers)
+        urllib.request.urlopen(req, timeout=30)
+
+
+@dataclass
+class NotebookResult:
+    name: str
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)  # error outputs, "cell N: Ename: message"
+    stderr: list[str] = field(default_factory=list)
+    slider: str = ""  # which slider moved, from what to what
+    text_before: str = ""
+    text_after: str = ""
+    image_changed: bool = False
+    numbers_changed: bool = False
+    problem: str = ""  # what went wrong driving the page, if anything
+
+    @property
+    def ok(self) -> bool:
+        return not (self.errors or self.problem) and self.image_changed and self.numbers_changed
+
+
+# JavaScript run in the page, against JupyterLab's exposed application object.
+JS_CURRENT = "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget; return !!(w && w.content" \
+             " && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel); }"  # fmt: skip
+JS_DONE = """() => {
+  const w = window.jupyterapp.shell.currentWidget;
+  const cells = w.content.widgets.filter(c => c.model.type === 'code');
+  const status = w.sessionContext.session.kernel.status;
+  return status === 'idle' && cells.every(c => c.model.executionCount !== null);
+}"""
+JS_OUTPUTS = """() => {
+  const w = window.jupyterapp.shell.currentWidget;
+  const found = [];
+  w.content.widgets.forEach((c, i) => {
+    if (c.model.type !== 'code') return;
+    for (const o of c.model.outputs.toJSON()) {
+      if (o.output_type === 'error') found.push(['error', i, o.ename + ': ' + o.evalue]);
+      if (o.output_type === 'stream' && o.name === 'stderr') found.push(['stderr', i, [].concat(o.text).join('')]);
+    }
+  });
+  return found;
+}"""
+JS_PANEL_STATE = """(panel) => {
+  const out = panel.querySelector('.widget-output');
+  const img = out && out.querySelector('img');
+  return {text: out ? out.innerText : '', image: img ? img.getAttribute('src') : ''};
+}"""
+
+
+def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: float = 180) -> NotebookResult:
+    """Open ``name``, run all cells, check outputs, move the first panel's first movable slider."""
+    result = NotebookResult(name)
+    start = time.monotonic()
+    # a workspace of its own, reset: only this notebook open, nothing restored from an earlier one
+    page.goto(f"{base}/lab/workspaces/{Path(name).stem}/tree/{name}?reset&token={token}")
+    page.wait_for_function(JS_CURRENT, timeout=60_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    page.wait_for_timeout(1000)
+    page.wait_for_function(JS_DONE, timeout=run_timeout_s * 1000, polling=500)
+    result.seconds = time.monotonic() - start
+    for kind, cell, text in page.evaluate(JS_OUTPUTS):
+        (result.errors if kind == "error" else result.stderr).append(f"cell {cell}: {text.strip()[:300]}")
+    panel, control = find_control(page)
+    if panel is None:
+        result.problem = "no panel has a slider that can move up (or a dropdown with a second choice)"
+        return result
+    panel.scroll_into_view_if_needed(timeout=30_000)
+    page.wait_for_function(f"(p) => ({JS_PANEL_STATE})(p).image !== ''", arg=panel.element_handle(),
+                           timeout=120_000)  # fmt: skip
+    before = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+    panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))
+    label = control.locator(".widget-label").first.inner_text().strip()
+    if control.locator("select").count():  # a dropdown: its next choice
+        select = control.locator("select").first
+        value = select.input_value()
+        options = select.locator("option").all_inner_texts()
+        select.select_option(index=(options.index(value) + 1) % len(options) if value in options else 1)
+        read = lambda: select.input_value()  # noqa: E731
+    else:  # a slider: one step up with the keyboard, committed at once (continuous_update=False)
+        read = lambda: control.locator(".widget-readout").first.inner_text().strip()  # noqa: E731
+        value = read()
+        control.locator(".noUi-handle, .ui-slider-handle").first.focus()
+        page.keyboard.press("ArrowRight")
     page.wait_for_function(
-        "el => el.innerText.includes('batch 9 x seq 128')", arg=panel.element_handle(), timeout=120_000
-    )
-    results.append(("moving the slider re-measures (batch 9)", "batch 8 x seq 128" in before))
-    panel.locator("img").first.wait_for(timeout=120_000)
-    results.append(("the re-measured plot is shown", True))
-    panel.locator("img").first.scroll_into_view_if_needed()
+        f"([p, b]) => {{ const s = ({JS_PANEL_STATE})(p); return s.image !== '' && s.image !== b.image"
+        " && s.text !== '' && s.text !== b.text; }",
+        arg=[panel.element_handle(), before], timeout=120_000,
+    )  # fmt: skip
+    result.slider = f"{label} {value} -> {read()}"
+    page.wait_for_timeout(500)  # let the figure finish replacing
+    after = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+    panel.screenshot(path=str(shots / f"{Path(name).stem}_after.png"))
+    page.screenshot(path=str(shots / f"{Path(name).stem}_page.png"))
+    if page.get_by_text("official Jupyter news").count():
+        result.problem = "JupyterLab's news pop-up is showing (the course's Lab settings were not applied)"
+    result.text_before, result.text_after = before["text"], after["text"]
+    result.image_changed = bool(before["image"]) and bool(after["image"]) and before["image"] != after["image"]
+    result.numbers_changed = NUMBER.findall(before["text"]) != NUMBER.findall(after["text"])
+    return result
+
+
+def find_control(page):
+    """(panel, control) to move: the first slider, in page order, that can still move up; else the first dropdown
+    with a second choice. (None, None) if there is neither."""
+    panels = page.locator(".widget-interact")
+    for i in range(panels.count()):
+        panel = panels.nth(i)
+        sliders = panel.locator(".widget-slider, .widget-hslider")
+        for j in range(sliders.count()):
+            handle = sliders.nth(j).locator(".noUi-handle, .ui-slider-handle").first
+            now, top = handle.get_attribute("aria-valuenow"), handle.get_attribute("aria-valuemax")
+            if now is None or top is None or float(now) < float(top):
+                return panel, sliders.nth(j)
+    for i in range(panels.count()):
+        dropdowns = panels.nth(i).locator(".widget-dropdown")
+        for j in range(dropdowns.count()):
+            if dropdowns.nth(j).locator("option").count() > 1:
+                return panels.nth(i), dropdowns.nth(j)
+    return None, None
+
+
+def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[NotebookResult]:
+    """Run :func:`drive` on each notebook (copies of them), in one JupyterLab and one headless Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    shutil.rmtree(shots, ignore_errors=True)
+    shots.mkdir(parents=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="course-browser-") as tmp:
+        work = Path(tmp)
+        root_dir = work / "notebooks"
+        root_dir.mkdir()
+        for nb in notebooks:
+            shutil.copy(nb, root_dir / nb.name)
+        with jupyterlab(root_dir, work) as (base, token), sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
+                "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+                "--disable-component-update"])  # fmt: skip
+            for nb in notebooks:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                try:
+                    result = drive(page, base, token, nb.name, shots)
+                except Exception as e:  # report, don't hide: which step failed is in the message
+                    result = NotebookResult(nb.name, problem=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                    page.screenshot(path=str(shots / f"{nb.stem}_failed.png"))
+                finally:
+                    page.close()
+                    stop_kernels(base, token)  # free the CPU for the next notebook
+                log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({result.seconds:.0f} s): {result.slider or '-'}; "
+                    f"plot changed: {result.image_changed}, numbers changed: {result.numbers_changed}"
+                    + (f"; errors: {result.errors}" if result.errors else "")
+                    + (f"; {result.problem}" if result.problem else ""))  # fmt: skip
+                results.append(result)
+            browser.close()
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chromium", default="/usr/bin/chromium")
-    parser.add_argument("--screenshot", default="browser_check.png")
+    parser.add_argument("notebooks", nargs="*", help="number or name prefixes (default: every notebook with a panel)")
+    parser.add_argument("--artifacts", type=Path, default=ROOT / "test-artifacts" / "browser")
     args = parser.parse_args()
-    from playwright.sync_api import sync_playwright
-
-    work = Path(tempfile.mkdtemp(prefix="anatomy-lab-"))
-    shutil.copy(ROOT / "notebooks" / "00_tour.ipynb", work / "00_tour.ipynb")
-    port = free_port()
-    lab = start_lab(work, port)
-    results = []
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=args.chromium,
-                headless=True,
-                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
-            )
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            try:
-                drive(page, port, results)
-            except Exception as e:  # report, don't hide: the failing step is the one after the last PASS
-                results.append((f"browser run ({type(e).__name__}: {str(e).splitlines()[0][:200]})", False))
-            page.screenshot(path=args.screenshot)
-            browser.close()
-    finally:
-        lab.terminate()
-        lab.wait(timeout=30)
-        shutil.rmtree(work, ignore_errors=True)
-    for name, ok in results:
-        print(f"{'PASS' if ok else 'FAIL'} {name}")
-    failed = sum(not ok for _, ok in results)
-    print(f"{len(results) - failed} passed, {failed} failed; screenshot: {args.screenshot}")
+    chromium, why = ensure_browser()
+    if chromium is None:
+        print(f"cannot run: {why}")
+        return 2
+    chosen = [p for p in panel_notebooks() if not args.notebooks or any(p.name.startswith(a) for a in args.notebooks)]
+    start = time.monotonic()
+    results = check(chosen, chromium, args.artifacts)
+    failed = sum(not r.ok for r in results)
+    print(f"{len(results) - failed} passed, {failed} failed in {time.monotonic() - start:.0f} s; "
+          f"screenshots in {args.artifacts}")  # fmt: skip
     return 1 if failed else 0
 
 

@@ -1,0 +1,104 @@
+"""Download every wheel the course needs into one folder, for installing in a room without (good) network.
+
+    python scripts/wheelhouse.py wheelhouse/                                   # this machine's platform and Python
+    python scripts/wheelhouse.py wheelhouse/ --platform linux --platform windows --platform macos-arm --python 3.11
+    python scripts/course.py --wheelhouse wheelhouse/ lab                      # then, on each laptop: no network
+
+Run it on a machine with network; copy the folder with the repository (USB stick, shared drive). `course.py
+--wheelhouse` installs with `pip --no-index --find-links`, so it never reaches for an index. For Linux and Windows
+the CPU build of torch comes from PyTorch's CPU index (about 190 MB for Linux, less for Windows); macOS wheels
+come from PyPI (torch ships no Intel-Mac wheels since 2.3, so only Apple silicon). The rest (JupyterLab, numpy,
+matplotlib, ipywidgets and what they need) is about 60 MB per platform and Python version. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from course import CPU_INDEX, LEARNER_REQUIREMENTS, TORCH_VERSION  # noqa: E402
+
+# pip expands each to the older manylinux / macOS versions it is compatible with.
+PLATFORMS = {
+    "linux": ["manylinux_2_28_x86_64"],
+    "linux-arm": ["manylinux_2_28_aarch64"],
+    "windows": ["win_amd64"],
+    "macos-arm": ["macosx_14_0_arm64"],
+}
+BUILD = ["setuptools>=68", "wheel"]  # what `pip install -e .` needs to build the course package, offline
+
+
+def requirements_without_torch(path: Path = LEARNER_REQUIREMENTS) -> list[str]:
+    """The requirement lines of ``path`` except torch's (torch is downloaded on its own, from the right index)."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line and not re.match(r"torch\s*($|[<>=!~;\[])", line, re.I)]
+
+
+def target_args(plat: str | None, python: str | None) -> list[str]:
+    """pip download options for one target (None, None: this interpreter)."""
+    args = []
+    for tag in PLATFORMS[plat] if plat else []:
+        args += ["--platform", tag]
+    if python:
+        args += ["--python-version", python, "--implementation", "cp"]
+    if plat or python:
+        args += ["--only-binary=:all:"]
+    return args
+
+
+def torch_index(plat: str | None) -> str | None:
+    system = {"linux": "Linux", "linux-arm": "Linux", "windows": "Windows", "macos-arm": "Darwin"}.get(
+        plat or "", platform.system()
+    )
+    return CPU_INDEX if system in ("Linux", "Windows") else None
+
+
+def download(dest: Path, plat: str | None, python: str | None, torch: bool, index: str | None) -> None:
+    base = [sys.executable, "-m", "pip", "download", "-q", "--dest", str(dest), *target_args(plat, python)]
+    reqs = requirements_without_torch()
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(reqs + BUILD) + "\n")
+    try:
+        subprocess.run([*base, "-r", f.name], check=True)
+    finally:
+        Path(f.name).unlink()
+    if torch:
+        index = torch_index(plat) if index is None else (None if index == "default" else index)
+        subprocess.run([*base, *(["--index-url", index] if index else []), f"torch=={TORCH_VERSION}"], check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dest", type=Path, help="the folder to fill (created if missing)")
+    parser.add_argument("--platform", action="append", choices=sorted(PLATFORMS), help="repeat for each; default: here")
+    parser.add_argument("--python", action="append", help="e.g. 3.11; repeat for each; default: this Python's")
+    parser.add_argument("--no-torch", action="store_true", help="leave torch out (the laptops have it already)")
+    parser.add_argument("--torch-index", help="index for torch (default: PyTorch's CPU index on Linux and Windows; "
+                        "'default' for pip's own)")  # fmt: skip
+    args = parser.parse_args(argv)
+    args.dest.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    for plat in args.platform or [None]:
+        for python in args.python or [None]:
+            what = f"{plat or 'this platform'}, Python {python or platform.python_version()}"
+            print(f"downloading for {what}", flush=True)
+            download(args.dest, plat, python, torch=not args.no_torch, index=args.torch_index)
+    wheels = sorted(args.dest.glob("*.whl"))
+    size = sum(w.stat().st_size for w in wheels)
+    print(f"{len(wheels)} wheels, {size / 2**20:.0f} MiB in {args.dest} ({time.perf_counter() - start:.0f} s)")
+    others = [p.name for p in args.dest.iterdir() if p.suffix != ".whl"]
+    if others:
+        print(f"not wheels (need building on the laptops, so a compiler): {others}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
