@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -123,3 +124,45 @@ def test_learner_copy_generation(tmp_path):
                                "execution_count": None, "outputs": []}  # fmt: skip
     assert out["metadata"] == {"kernelspec": {}}
     assert nb["cells"][1]["outputs"]  # the executed notebook is left alone
+
+
+def exercise_ids(nb: Path) -> list[str]:
+    """The answer-key anchors a notebook needs: one per exercise cell (a `my_... = None` to fill in) and per panel."""
+    num, ids, k = nb.name[:2], [], 0
+    for cell in code_cells(nb):
+        src = "".join(cell["source"])
+        if re.search(r"^my_\w+ = None", src, re.M):
+            k += 1
+            ids.append(f"{num}-exercise-{k}")
+        for fn in re.findall(r"slider_panel\(\s*(\w+)", src):
+            ids.append(f"{num}-panel-{fn}")
+    return ids
+
+
+def test_answer_key_has_every_exercise_and_slider_prompt():
+    key = (ROOT / "docs" / "answer_key.md").read_text()
+    wanted = [i for nb in NOTEBOOKS for i in exercise_ids(nb)]
+    assert "00-panel-track_and_plot" in wanted and "01-exercise-1" in wanted
+    assert [i for i in wanted if f"<!-- {i} -->" not in key] == [], "add these to docs/answer_key.md"
+    assert [i for i in re.findall(r"<!-- (\d\d-\w+-\w+) -->", key) if i not in wanted] == []  # none left behind
+
+
+def test_instructor_guide_covers_every_notebook_and_the_plan_fits_three_hours():
+    guide = (ROOT / "docs" / "instructor_guide.md").read_text()
+    for nb in NOTEBOOKS:
+        assert f"(../notebooks/{nb.name})" in guide and f"### {nb.name[:2]} · " in guide, nb.name
+    plan = guide.split("## The 3-hour plan", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|") for line in plan.splitlines() if re.match(r"\| \d:\d\d \|", line)]
+    assert sum(int(r[-2]) for r in rows) <= 180 and "first cell" in rows[0][2]  # setup included
+    in_plan = {m for r in rows for m in re.findall(r"notebooks/(\d\d)_", r[2])}
+    assert {"00", "01", "02", "03", "04"} <= in_plan
+
+
+def test_instructor_guide_links_the_recorded_gpu_outputs_or_says_there_are_none():
+    guide = (ROOT / "docs" / "instructor_guide.md").read_text()
+    section = guide.split("## Pre-recorded GPU outputs", 1)[1]
+    recorded = sorted((ROOT / "docs" / "gpu_outputs").glob("*.ipynb"))
+    if recorded:
+        assert all(f"(gpu_outputs/{p.name})" in section for p in recorded)
+    else:
+        assert "Not recorded yet" in section
