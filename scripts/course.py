@@ -212,9 +212,13 @@ def run_tests(env: Env, extra: list[str]) -> int:
     test_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYDEVD_DISABLE_FILE_VALIDATION="1", MPLBACKEND="Agg")
     # nbval compares against the stored CPU outputs, so the suite runs on CPU even on a GPU machine;
     # scripts/gpu_check.py covers CUDA.
+    # Two workers on two cores (pytest-xdist; each file, so each notebook, stays on one worker): the delivery tests
+    # wait on pip, kernels and a browser much of the time. -rs prints every skip's reason; --durations the slowest.
+    workers = os.cpu_count() or 1
+    parallel = ["-n", str(min(workers, 4)), "--dist", "loadfile"] if workers > 1 and env_has(env, "xdist") else []
     steps = [
         [str(env.python), "-m", "ruff", "check", "."],
-        [str(env.python), "-m", "pytest", "-q", "--nbval", "--nbval-current-env",
+        [str(env.python), "-m", "pytest", "-q", "-rs", "--durations=12", *parallel, "--nbval", "--nbval-current-env",
          "--nbval-sanitize-with", "tests/nbval_sanitize.cfg", "tests", "notebooks", *extra],
     ]  # fmt: skip
     start = time.perf_counter()
