@@ -110,7 +110,10 @@ def jupyterlab(root_dir: Path, work: Path):
     settings.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "jupyter" / "lab-overrides.json", settings / "overrides.json")  # the course's settings
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(work / "user-settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"), PYDEVD_DISABLE_FILE_VALIDATION="1")  # fmt: skip
+               JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"), PYDEVD_DISABLE_FILE_VALIDATION="1",
+               OMP_NUM_THREADS=os.environ.get("COURSE_KERNEL_THREADS", "1"))  # fmt: skip
+    # One thread per kernel: in the suite this runs beside another pytest worker on two cores, and memory numbers
+    # do not depend on threads.
     env.pop("MPLBACKEND", None)  # the inline backend, as a learner has it
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root_dir}", "--allow-root",

@@ -68,3 +68,18 @@ def make_record(rows) -> AllocationRecord:
         step=step,
         phase=np.ones(n, dtype=np.int64),
     )
+
+
+# The slow delivery tests (marker "delivery") first, the longest first: with pytest-xdist they then run beside the
+# unit tests and notebooks from the start instead of as a tail at the end of the suite.
+_DELIVERY_ORDER = ["test_browser.py", "test_colab_path.py", "test_wheelhouse.py", "test_binder_path.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def key(item):
+        if item.get_closest_marker("delivery") is None:
+            return len(_DELIVERY_ORDER)
+        name = item.path.name
+        return _DELIVERY_ORDER.index(name) if name in _DELIVERY_ORDER else len(_DELIVERY_ORDER) - 1
+
+    items.sort(key=key)  # stable: everything else keeps its order

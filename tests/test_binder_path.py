@@ -57,7 +57,13 @@ def test_binder_environment_runs_the_tour(tmp_path):
     settings = env.root / "share/jupyter/lab/settings/overrides.d/training-step-anatomy.json"
     assert settings.read_text() == (ROOT / "jupyter" / "lab-overrides.json").read_text()
     assert env.version("torch").startswith("2.13.0") and env.version("ipywidgets").startswith("8.")
-    run_env = dict(os.environ, **env.add_kernel("binder"), PYDEVD_DISABLE_FILE_VALIDATION="1", CUDA_VISIBLE_DEVICES="")
+    run_env = dict(
+        os.environ,
+        **env.add_kernel("binder"),
+        PYDEVD_DISABLE_FILE_VALIDATION="1",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
     run_env.pop("MPLBACKEND", None)
     [result] = env.execute([ROOT / "learner" / "00_tour.ipynb"], tmp_path / "executed", cwd=ROOT / "learner",
                            env=run_env)  # fmt: skip
