@@ -88,7 +88,7 @@ class Recorder:
         self._start_ns = time.perf_counter_ns()
         self._cuda_marks: list[tuple[int, int, int, int]] = []  # (sample, allocated, reserved, requested)
         self._cuda_at_entry = self._cuda_counters() if self._cuda else (0, 0, 0)
-        self._aliasing: dict[int, bool] = {}  # id(op) -> whether its outputs alias its inputs
+        self._op_kinds: dict[int, int] = {}  # id(op) -> what its outputs are (tensors.op_outputs)
         self._windows: list[tuple[int, int, int, int, int, int]] = []  # per op: start, end ns, event index, context
         self._memory_events: list = []  # the allocator's events, once the memory session has stopped
         self._scratch_recorded = False

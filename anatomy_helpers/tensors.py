@@ -27,6 +27,31 @@ def returns_alias(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
 
 
+# What an ATen op hands back, as far as memory goes (see op_outputs).
+ALLOCATES, VIEWS, IN_PLACE, REUSES = range(4)
+
+
+def op_outputs(func) -> int:
+    """Classify an ATen op by what its outputs are, from its schema.
+
+    ``ALLOCATES``: fresh storages (or no tensors at all); ``VIEWS``: only views of its inputs, so it allocates
+    nothing and resizes nothing (``view``, ``t``, ``detach``); ``IN_PLACE``: only its own mutated ``self``,
+    which keeps its size (``add_``, ``mul_``); ``REUSES``: any other aliasing output, memory that existed but
+    may have been resized (``out=`` ops, ``resize_``, ``set_``).
+    """
+    schema = func._schema
+    aliases = [r.alias_info for r in schema.returns]
+    if not any(a is not None for a in aliases):
+        return ALLOCATES
+    if all(a is not None and not a.is_write for a in aliases):
+        return VIEWS
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    storage_ops = "resize" in schema.name or schema.name.endswith("set_")
+    if all(not a.kwarg_only for a in written) and not storage_ops and all(a is not None for a in aliases):
+        return IN_PLACE
+    return REUSES
+
+
 def storage_bytes(tensors, device: torch.device | str | None = None) -> int:
     """Bytes held by the distinct storages behind ``tensors`` (views counted once).
 

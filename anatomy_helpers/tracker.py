@@ -48,7 +48,7 @@ from .records import (
     ROOT,
 )
 from .scratch import MemoryEvents
-from .tensors import returns_alias
+from .tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs
 from .trace import Trace
 
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
@@ -64,6 +64,13 @@ class _OpWatcher(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps every mode's __torch_dispatch__ in a "Dynamo, do not compile this" frame guard, a few
+        # microseconds on each of the ~1,300 ops of a step. Dynamo already skips every frame while a mode like
+        # this one is active (convert_frame.py), so the guard buys nothing here.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.tracker._after_op(func, out)
@@ -74,11 +81,16 @@ class _TimedOpWatcher(_OpWatcher):
     """Also notes each op's time window, to match the allocator's own events to ops (kernel scratch)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tracker = self.tracker
+        kind = tracker._op_kinds.get(id(func))  # keyed by id: an OpOverload hashes in Python, slowly
+        if kind is None:
+            kind = tracker._op_kinds[id(func)] = op_outputs(func)
+        if kind == VIEWS:  # a view allocates nothing: no window, nothing to record (about a third of all ops)
+            return func(*args, **(kwargs or {}))
         start = _time_ns()
         out = func(*args, **(kwargs or {}))
         end = _time_ns()
-        tracker = self.tracker
-        tracker._after_op(func, out)
+        tracker._after_op(func, out, kind)
         # where a scratch sample would go (after this op's output samples), and the op's context
         tracker._windows.append((start, end, len(tracker._events), tracker._step, tracker._phase, tracker._module))
         return out
@@ -315,21 +327,25 @@ class StepTracker(Recorder):
         self._install(lambda: setattr(opt, "zero_grad", zero_grad), restore)
 
     # ---- callbacks from torch -------------------------------------------------------
-    def _after_op(self, func, out) -> None:
+    def _after_op(self, func, out, kind: int | None = None) -> None:
         if self._phase != BACKWARD and _graph_task_id() != -1:
             self._set_phase(BACKWARD)
             self._module = self._code(ROOT)
-        # Views, in-place and out= ops return memory that already existed: a storage first seen
-        # there was allocated before tracking began (a slice of the dataset, say), not by this op.
-        aliases = self._aliasing.get(id(func))  # keyed by id: an OpOverload hashes in Python, slowly
-        if aliases is None:
-            aliases = self._aliasing[id(func)] = returns_alias(func)
+        if kind is None:
+            kind = self._op_kinds.get(id(func))  # keyed by id: an OpOverload hashes in Python, slowly
+            if kind is None:
+                kind = self._op_kinds[id(func)] = op_outputs(func)
+        if kind == VIEWS or kind == IN_PLACE:  # nothing allocated, nothing resized
+            return
+        # out= ops and resize_ return memory that already existed (maybe resized): a storage first seen there
+        # was allocated before tracking began (a slice of the dataset, say), not by this op.
+        new = kind == ALLOCATES
         if isinstance(out, torch.Tensor):
-            self._aid(out, new=not aliases)
+            self._aid(out, new=new)
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
-                    self._aid(o, new=not aliases)
+                    self._aid(o, new=new)
 
     def _pack(self, t: torch.Tensor):
         aid = self._aid(t) if self._active else None

@@ -399,3 +399,40 @@ def test_targets_handed_only_to_the_loss_are_inputs(small):
     saved_y = [s for s in trace.saved if s.dtype == torch.int64 and s.shape == (y.numel(),)]
     assert saved_y and all(s.category == "inputs" for s in saved_y)
     assert phase_end(trace, 1, "forward")["inputs"] == x.nbytes + y.nbytes
+
+
+def test_ops_are_classified_by_what_their_outputs_are():
+    from anatomy_helpers.tensors import ALLOCATES, IN_PLACE, REUSES, VIEWS, op_outputs
+
+    aten = torch.ops.aten
+    expected = {
+        aten.mm.default: ALLOCATES,
+        aten._foreach_add_.List: ALLOCATES,  # returns nothing: nothing to register
+        aten.view.default: VIEWS,
+        aten.detach.default: VIEWS,
+        aten.split.Tensor: VIEWS,  # a list of views
+        aten.add_.Tensor: IN_PLACE,
+        aten.lerp_.Scalar: IN_PLACE,
+        aten.add.out: REUSES,  # out= may resize the tensor it writes
+        aten.resize_.default: REUSES,
+        aten.set_.source_Storage: REUSES,
+    }
+    assert {op: op_outputs(op) for op in expected} == expected
+
+
+@pytest.mark.parametrize("kernel_scratch", [True, False])
+def test_out_ops_that_resize_are_counted_and_in_place_ops_allocate_nothing(small, kernel_scratch):
+    model, opt = small
+    a, b = torch.ones(100), torch.ones(100)
+    with StepTracker(model, opt, kernel_scratch=kernel_scratch) as tr:
+        out = torch.empty(0)  # 0 bytes
+        torch.add(a, b, out=out)  # resized to 100 floats by the out= op
+        out.mul_(2)  # in place: no new memory
+        a.add_(1)  # in place on memory made before tracking: not an allocation
+        grown = tr._live_bytes
+        del out
+    trace = tr.trace
+    params = trace.baseline["parameters"]
+    assert grown - params == 400
+    assert trace.timeline.total.max() - params == 400
+    assert trace.timeline.total[-1] == params
