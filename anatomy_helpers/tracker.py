@@ -21,6 +21,15 @@ Each allocation gets one category, decided by what the storage turned out to be
 (a tensor saved for backward is an activation from the moment it was created).
 Storages are counted once however many views point at them, so on CPU the
 numbers are exact bytes and the same on every run.
+
+What watching changes: under any dispatch mode, every op's outputs pass through
+Python, and autograd then sums some gradients out of place where it would have
+summed them in place (it adds in place only when it holds the last reference to
+the running sum: ``can_accumulate_inplace`` in torch/csrc/autograd/input_buffer.cpp).
+On the default model that is one extra 1 MiB ``add`` per residual connection per
+step, a temporary freed at once; none of them falls on a peak in the profiler
+sweep (tests/test_profiler_agreement.py). And it costs time: see
+benchmarks/tracker_overhead.py.
 """
 
 from __future__ import annotations

@@ -436,3 +436,29 @@ def test_out_ops_that_resize_are_counted_and_in_place_ops_allocate_nothing(small
     assert grown - params == 400
     assert trace.timeline.total.max() - params == 400
     assert trace.timeline.total[-1] == params
+
+
+def test_watching_makes_autograd_sum_residual_gradients_out_of_place(small):
+    """What the tracker's docstring says watching changes: one extra `add` per residual connection per step."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from anatomy_helpers.scratch import quiet_stderr
+
+    class CountAdds(TorchDispatchMode):
+        adds = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.adds += func._schema.name == "aten::add"
+            return func(*args, **(kwargs or {}))
+
+    model, opt = small
+    x, y = get_batch(4, SMALL["seq_len"])
+    train_step(model, opt, x, y)  # warm: Adam's state exists
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(model, opt, x, y)
+    unwatched = sum(e.count for e in prof.key_averages() if e.key == "aten::add")
+    with CountAdds() as watch:
+        train_step(model, opt, x, y)
+    residual_connections = 2 * SMALL["n_layer"]  # attention and MLP in each block
+    assert watch.adds - unwatched == residual_connections
