@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from anatomy_helpers import make_model
-from anatomy_helpers.distributed import (
-    STRATEGIES,
-    RankFailed,
-    RankJob,
-    format_rank_table,
-    rank_rows,
-    run_world,
-    zero_model_states,
-)
+from anatomy_helpers.distributed import STRATEGIES, RankJob
+from anatomy_helpers.world import RankFailed, format_rank_table, rank_rows, run_world, zero_model_states
 
 from .conftest import SMALL
 
