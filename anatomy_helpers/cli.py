@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_predict_parser() -> argparse.ArgumentParser:
     from .checkpointing import CHECKPOINT_POLICIES
-    from .lessons.prediction import DEVICES, IMPLEMENTATION_FLAGS
+    from .fit import DEVICES, IMPLEMENTATION_FLAGS
 
     d = ModelConfig()
     p = argparse.ArgumentParser(
@@ -112,7 +112,7 @@ def build_predict_parser() -> argparse.ArgumentParser:
 def predict_main(argv: list[str]) -> int:
     import json
 
-    from .lessons.prediction import cheapest_fix, fixes_table, will_it_fit
+    from .fit import cheapest_fix, fixes_table, will_it_fit
 
     parser = build_predict_parser()
     args = parser.parse_args(argv)

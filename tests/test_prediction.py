@@ -7,18 +7,17 @@ from matplotlib.figure import Figure
 from anatomy_helpers import make_model, make_optimizer, track_steps
 from anatomy_helpers.allocator import min_limit_to_pass
 from anatomy_helpers.dryrun import dry_run_config
-from anatomy_helpers.lessons.prediction import (
+from anatomy_helpers.fit import (
     CUDA_CONTEXT_BYTES,
     DEVICES,
     cheapest_fix,
     devices,
-    fit_panel,
     fixes_table,
-    plot_fit,
     step_flops,
     usable_bytes,
     will_it_fit,
 )
+from anatomy_helpers.lessons.prediction import fit_panel, plot_fit
 from anatomy_helpers.model import ModelConfig
 from anatomy_helpers.tracker import StepTracker
 
