@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -5,13 +7,17 @@ import torch
 from anatomy_helpers import make_model, make_optimizer, track_steps
 from anatomy_helpers.trace import AllocationRecord
 
+# One torch thread per xdist worker when scripts/test.sh runs two workers on two cores: two threads each would
+# oversubscribe the cores, and OpenMP's waiting threads made the unit tests a third slower. Alone: two, as CI has.
+THREADS = 1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2
+
 # Small enough that a tracked step takes milliseconds; big enough to have every part.
 SMALL = dict(n_layer=2, d_model=64, n_head=2, seq_len=32)
 
 
 @pytest.fixture(autouse=True)
-def _two_threads():
-    torch.set_num_threads(2)  # what CI has; also keeps runs comparable
+def _test_threads():
+    torch.set_num_threads(THREADS)  # the same in every test, so runs are comparable
 
 
 @pytest.fixture
@@ -24,7 +30,7 @@ def small():
 @pytest.fixture(scope="session")
 def small_run():
     """(model, optimizer, trace) of three tracked AdamW steps of the SMALL model, batch 4. Shared: do not mutate."""
-    torch.set_num_threads(2)  # session fixtures run before the autouse one
+    torch.set_num_threads(THREADS)  # session fixtures run before the autouse one
     model = make_model(device="cpu", **SMALL)
     opt = make_optimizer(model, "adamw")
     return model, opt, track_steps(model, opt, steps=3, batch_size=4)
