@@ -22,6 +22,7 @@ local shards. Bytes everywhere.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pickle
 import signal
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .records import COMMUNICATION, GRADIENTS, OPT_STEP, OPTIMIZER_STATE, PARAMETERS, PHASES, TEMPORARIES, Peak
-from .tensors import optimizer_state_tensors
+from .tensors import optimizer_state_tensors, storage_bytes
 from .trace import Trace
 from .tracker import StepTracker
 
@@ -125,15 +126,6 @@ class RankResult:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; any other tensor itself."""
     return t._local_tensor if hasattr(t, "_local_tensor") and hasattr(t, "device_mesh") else t
-
-
-def _storages_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        t = _local(t)
-        st = t.untyped_storage()
-        seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
 
 
 class _Collectives(TorchDispatchMode):
@@ -329,7 +321,7 @@ def run_job(job: RankJob, rank: int, world_size: int, device: torch.device) -> R
 
     def grads_before_step(o, args, kwargs):
         params = [p for g in o.param_groups for p in g["params"]]
-        grads_seen["bytes"] = _storages_bytes(p.grad for p in params if p.grad is not None)
+        grads_seen["bytes"] = storage_bytes(_local(p.grad) for p in params if p.grad is not None)
 
     handle = opt.register_step_pre_hook(grads_before_step)
     params = list(gpt.parameters())
@@ -369,10 +361,10 @@ def run_job(job: RankJob, rank: int, world_size: int, device: torch.device) -> R
         trace=trace,
         collectives=tracker.collectives,
         n_params=sum(p.numel() for p in params),
-        torch_param_bytes=_storages_bytes(params),
+        torch_param_bytes=storage_bytes(map(_local, params)),
         torch_param_numel_bytes=sum(_local(p).numel() * p.element_size() for p in params),
         torch_grad_bytes=grads_seen.get("bytes", 0),
-        torch_state_bytes=_storages_bytes(optimizer_state_tensors(state_owner)),
+        torch_state_bytes=storage_bytes(map(_local, optimizer_state_tensors(state_owner))),
         torch_state_by_key=_state_by_key(state_owner),
         model_states={c: before[c] for c in ("parameters", "gradients", "optimizer_state", "communication")},
         max_memory_allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
@@ -429,27 +421,34 @@ def _rank_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def rank_main(jobs: list[RankJob], backend: str | None = None, failure_note: str | None = None) -> list[RankResult]:
-    """Run ``jobs`` on this process as one rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment,
-    as torchrun and :func:`run_world` set them). nccl when every rank has a GPU, else gloo.
-
-    ``failure_note``: a file to write the time and traceback to if a job raises, before the process group goes
-    down (which makes the other ranks fail too), so the runner can tell which rank failed first."""
+@contextlib.contextmanager
+def _process_group(backend: str | None):
+    """Join the process group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment, as torchrun and
+    :func:`~anatomy_helpers.world.run_world` set them): nccl when every rank has a GPU, else gloo. Yields (rank,
+    world size, this rank's device); leaves the group whatever happens."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
     torch.set_num_threads(1)
     dist.init_process_group(backend)
     try:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        device = _rank_device(backend)
-        return [run_job(job, rank, world_size, device) for job in jobs]
-    except BaseException:
-        if failure_note is not None:
-            with open(failure_note, "w") as f:
-                f.write(f"{time.time()}\n{traceback.format_exc()}")
-        raise
+        yield dist.get_rank(), dist.get_world_size(), _rank_device(backend)
     finally:
         dist.destroy_process_group()
+
+
+def rank_main(jobs: list[RankJob], backend: str | None = None, failure_note: str | None = None) -> list[RankResult]:
+    """Run ``jobs`` on this process as one rank of the process group (see :func:`_process_group`).
+
+    ``failure_note``: a file to write the time and traceback to if a job raises, before the process group goes
+    down (which makes the other ranks fail too), so the runner can tell which rank failed first."""
+    with _process_group(backend) as (rank, world_size, device):
+        try:
+            return [run_job(job, rank, world_size, device) for job in jobs]
+        except BaseException:
+            if failure_note is not None:
+                with open(failure_note, "w") as f:
+                    f.write(f"{time.time()}\n{traceback.format_exc()}")
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,17 +481,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in args.strategies
     ]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        backend = args.backend
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.set_num_threads(1)
-        dist.init_process_group(backend)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        device = _rank_device(backend)
-        mine = [run_job(job, rank, world_size, device) for job in jobs]
-        gathered = [None] * world_size if rank == 0 else None
-        dist.gather_object([rank_row(r) for r in mine], gathered, dst=0)
-        dist.destroy_process_group()
+        with _process_group(args.backend) as (rank, world_size, device):
+            mine = [run_job(job, rank, world_size, device) for job in jobs]
+            gathered = [None] * world_size if rank == 0 else None
+            dist.gather_object([rank_row(r) for r in mine], gathered, dst=0)
         if rank == 0:
             print(format_rank_table([row for rows in zip(*gathered) for row in rows]))
         return 0

@@ -5,6 +5,8 @@ One world runs every strategy once for the whole module (starting processes is w
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -133,6 +135,20 @@ def test_a_failing_rank_is_named_and_no_process_is_left(fault, match):
         run_world(RankJob("ddp", model=SMALL, fault=fault, fault_rank=1), WORLD, timeout_s=60)
     assert info.value.rank == 1 and "rank 1 of 2" in str(info.value)
     assert all(_gone(pid) for pid in info.value.pids)
+
+
+def test_torchrun_runs_the_same_entry_point_and_rank_0_prints_every_rank(tmp_path):
+    """``torchrun -m anatomy_helpers.distributed``: each rank joins the group itself; rank 0 gathers the rows."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
+    cmd += ["-m", "anatomy_helpers.distributed", "--strategies", "ddp", "--steps", "1", "--batch-size", "4"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("ddp ")]
+    assert [int(r[1]) for r in rows] == list(range(WORLD))
+    for r in rows:  # DDP: every rank holds all gradients, as the formula says
+        measured, formula = r[3].split("/")
+        assert measured == formula
 
 
 def test_a_taken_port_is_a_clear_error():
