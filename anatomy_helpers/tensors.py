@@ -24,7 +24,7 @@ def on_device(t: torch.Tensor | torch.UntypedStorage, device: torch.device | str
 @cache
 def returns_alias(func) -> bool:
     """Whether an ATen op's outputs alias its inputs (views, in-place and out= ops): memory that already existed."""
-    return any(r.alias_info is not None for r in func._schema.returns)
+    return op_outputs(func) != ALLOCATES
 
 
 # What an ATen op hands back, as far as memory goes (see op_outputs).

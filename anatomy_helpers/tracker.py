@@ -82,7 +82,7 @@ class _OpWatcher(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracker._after_op(func, out)
+        self.tracker._after_op(out, self.tracker._op_kind(func))
         return out
 
 
@@ -91,15 +91,13 @@ class _TimedOpWatcher(_OpWatcher):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tracker = self.tracker
-        kind = tracker._op_kinds.get(id(func))  # keyed by id: an OpOverload hashes in Python, slowly
-        if kind is None:
-            kind = tracker._op_kinds[id(func)] = op_outputs(func)
+        kind = tracker._op_kind(func)
         if kind == VIEWS:  # a view allocates nothing: no window, nothing to record (about a third of all ops)
             return func(*args, **(kwargs or {}))
         start = _time_ns()
         out = func(*args, **(kwargs or {}))
         end = _time_ns()
-        tracker._after_op(func, out, kind)
+        tracker._after_op(out, kind)
         # where a scratch sample would go (after this op's output samples), and the op's context
         tracker._windows.append((start, end, len(tracker._events), tracker._step, tracker._phase, tracker._module))
         return out
@@ -336,14 +334,17 @@ class StepTracker(Recorder):
         self._install(lambda: setattr(opt, "zero_grad", zero_grad), restore)
 
     # ---- callbacks from torch -------------------------------------------------------
-    def _after_op(self, func, out, kind: int | None = None) -> None:
+    def _op_kind(self, func) -> int:
+        """What ``func``'s outputs are (tensors.op_outputs), read from its schema once per op."""
+        kind = self._op_kinds.get(id(func))  # keyed by id: an OpOverload hashes in Python, slowly
+        if kind is None:
+            kind = self._op_kinds[id(func)] = op_outputs(func)
+        return kind
+
+    def _after_op(self, out, kind: int) -> None:
         if self._phase != BACKWARD and _graph_task_id() != -1:
             self._set_phase(BACKWARD)
             self._module = self._code(ROOT)
-        if kind is None:
-            kind = self._op_kinds.get(id(func))  # keyed by id: an OpOverload hashes in Python, slowly
-            if kind is None:
-                kind = self._op_kinds[id(func)] = op_outputs(func)
         if kind == VIEWS or kind == IN_PLACE:  # nothing allocated, nothing resized
             return
         # out= ops and resize_ return memory that already existed (maybe resized): a storage first seen there
