@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from .interrupts import DeferredInterrupt
 from .model import GPT, ModelConfig
 from .trace import Trace
 from .tracker import StepTracker
@@ -173,6 +174,17 @@ def dry_run(
     tensors' values (``.item()``, data-dependent shapes), tensors made outside the model and the batch factory.
     """
     _check_steps(steps, autocast)
+    # A Ctrl-C raised inside FakeTensorMode's Python code, which torch's C++ dispatcher called, aborts the whole
+    # process (torch 2.13): hold it for the whole dry run; the tracker raises it between two ops.
+    interrupt = DeferredInterrupt()
+    interrupt.start()
+    try:
+        return _dry_run(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device)
+    finally:
+        interrupt.stop()
+
+
+def _dry_run(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device) -> Trace:
     mode = FakeTensorMode()
     model = build_fake_model(model_factory, mode, device)
     try:
