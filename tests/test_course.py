@@ -166,3 +166,61 @@ def test_instructor_guide_links_the_recorded_gpu_outputs_or_says_there_are_none(
         assert all(f"(gpu_outputs/{p.name})" in section for p in recorded)
     else:
         assert "Not recorded yet" in section
+
+
+def _output_text(output) -> str:
+    if output.get("output_type") == "stream":
+        return "".join(output.get("text", ""))
+    return "".join(output.get("data", {}).get("text/plain", ""))
+
+
+def answer_spellings(measured: float, unit: str) -> list[str]:
+    """How a cell would print an exercise's answer: 2 decimals in the unit (alone, as in a table, or with the unit),
+    and for byte answers the whole number of bytes with thousands separators."""
+    if unit in ("x", "count"):
+        return [f"{measured:.2f}x", f"{measured:,.0f}"] if unit == "count" else [f"{measured:.2f}x"]
+    spellings = [f"{measured:.2f}"]
+    factor = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    nbytes = round(measured * factor)
+    if nbytes >= 10_000:
+        spellings.append(f"{nbytes:,}")
+    return spellings
+
+
+def answers_shown_early(nb: Path) -> list[str]:
+    """Exercises of ``nb`` whose measured answer an earlier output already prints (a number bounded by non-digits)."""
+    from anatomy_helpers.exercises import METADATA_KEY
+
+    earlier, found, asked = [], [], 0
+    for cell in code_cells(nb):
+        for output in cell.get("outputs", []):
+            meta = output.get("metadata", {}).get(METADATA_KEY)
+            if meta is not None:
+                asked += 1
+                shown = "\n".join(earlier)
+                for spelling in answer_spellings(meta["measured"], meta["unit"]):
+                    if re.search(rf"(?<![\d.,]){re.escape(spelling)}(?![\d]|\.\d|,\d)", shown):
+                        found.append(f"{nb.stem}: {meta['name']!r} ({spelling}) is printed before it is asked")
+        earlier.extend(_output_text(o) for o in cell.get("outputs", []))
+    exercises = sum(bool(re.search(r"^my_\w+ = None", "".join(c["source"]), re.M)) for c in code_cells(nb))
+    assert asked == exercises, f"{nb.stem}: {exercises} exercises but {asked} outputs record their answer"
+    return found
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_output_gives_an_exercises_answer_away_before_it_is_asked(nb):
+    assert answers_shown_early(nb) == []
+
+
+def test_the_early_answer_check_finds_a_planted_answer(tmp_path):
+    from anatomy_helpers.exercises import METADATA_KEY
+
+    def cell(text, meta=None, source="x"):
+        out = {"output_type": "display_data", "data": {"text/plain": text}, "metadata": meta or {}}
+        return {"cell_type": "code", "source": source, "outputs": [out], "metadata": {}, "execution_count": 1}
+
+    ask = cell("no prediction yet", {METADATA_KEY: {"name": "peak", "measured": 4.0, "unit": "MiB"}}, "my_x = None")
+    nb = tmp_path / "99_x.ipynb"
+    for before, flagged in (("largest 4.00 MiB (fc)", True), ("grads 4,194,304 bytes", True), ("14.00 MiB", False)):
+        nb.write_text(json.dumps({"cells": [cell(before), ask]}))
+        assert bool(answers_shown_early(nb)) == flagged, before
