@@ -62,6 +62,29 @@ def stack_categories(ax, xs, bytes_by_category: np.ndarray, scale: float) -> Non
     )
 
 
+def legend_of_all(axes, target) -> None:
+    """One category legend, on ``target`` (right of it), listing every category drawn in any of ``axes``, each once
+    and in CATEGORIES order; the panels' own legends are removed. A multi-panel figure that kept one panel's legend
+    would leave unexplained the colours that only other panels draw."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+    labels = [CATEGORY_LABELS[c] for c in CATEGORIES if CATEGORY_LABELS[c] in entries]
+    labels += [label for label in entries if label not in labels]
+    target.legend(
+        [entries[label] for label in labels],
+        labels,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        title="category",
+        title_fontsize=8,
+    )
+
+
 def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None = None, annotate_peak: bool = True):
     """Stacked bytes per category over the trace, phases shaded, steps marked, peak annotated.
 
@@ -177,7 +200,7 @@ def plot_timelines(traces: dict[str, Trace], title: str | None = None):
     axes = np.atleast_1d(fig.subplots(len(traces), 1))
     top = max(t.timeline.total.max() for t in traces.values())
     unit, scale = pick_unit(top)
-    for i, (ax, (label, trace)) in enumerate(zip(axes, traces.items())):
+    for ax, (label, trace) in zip(axes, traces.items()):
         plot_timeline(trace, ax=ax, title=label)
         own_top = ax.get_ylim()[1]
         ax.set_ylim(0, top / scale * 1.18)
@@ -187,8 +210,7 @@ def plot_timelines(traces: dict[str, Trace], title: str | None = None):
                     text.xyann = (18, 12)
             else:  # phase and step labels sit near the top: move them to the shared top
                 text.set_y(text.get_position()[1] / own_top * ax.get_ylim()[1])
-        if i:
-            ax.get_legend().remove()  # one legend is enough
+    legend_of_all(axes, axes[0])  # one legend, with what any panel draws (only checkpointing recomputes, say)
     if title:
         fig.suptitle(title)
     return fig
@@ -230,7 +252,7 @@ def plot_optimizer_phase(traces: Trace | dict[str, Trace], steps: tuple[int, ...
         )
     axes[0].set_ylabel(f"live tensor memory ({unit})")
     axes[0].set_ylim(0, top / scale * 1.3)
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category", title_fontsize=8)
+    legend_of_all(axes, axes[-1])
     fig.suptitle(title or "The optimizer phase: optimizer.step() through zero_grad()")
     return fig
 

@@ -86,6 +86,21 @@ def test_timelines_share_one_y_scale(trace):
     assert [ax.get_title() for ax in fig.axes] == ["first", "again"]
 
 
+def test_multi_panel_legend_lists_every_category_any_panel_draws(trace):
+    from anatomy_helpers import plot_timelines
+
+    model = make_model(device="cpu", checkpoint="full", **SMALL)
+    checkpointed = track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=2)
+    fig = plot_timelines({"none": trace, "full": checkpointed})
+    drawn = [set(ax.get_legend_handles_labels()[1]) for ax in fig.axes]
+    assert "recomputed" in drawn[1] - drawn[0]  # a category only the second panel draws
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 1
+    listed = [t.get_text() for t in legends[0].get_texts()]
+    assert sorted(listed) == sorted(set.union(*drawn))  # each drawn category once, nothing else
+    assert listed == [c.replace("_", " ") for c in CATEGORIES if c.replace("_", " ") in listed]  # in CATEGORIES order
+
+
 def test_optimizer_phase_panels_one_per_step(trace):
     from anatomy_helpers.plots import plot_optimizer_phase
 
