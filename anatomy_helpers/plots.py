@@ -12,8 +12,9 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.text import Annotation
 
+from .records import NO_MODULE
 from .trace import CATEGORIES, PHASES, Trace
-from .units import pick_unit
+from .units import format_bytes, pick_unit
 
 CATEGORY_COLORS = {
     "parameters": "#0072B2",  # blue
@@ -29,6 +30,7 @@ CATEGORY_COLORS = {
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
 PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+OUTSIDE_MODULES = "(no module)"  # how plots name memory allocated while no module of the model ran (the batch, say)
 
 
 class CourseFigure(Figure):
@@ -174,20 +176,23 @@ def plot_module_bars(
     rows = trace.live_by_module(index, depth=depth)
     names = sorted(rows, key=_module_sort_key)
     fig, ax = _new_axes(ax, (9, 0.35 * len(names) + 1.6))
-    unit, scale = pick_unit(max(sum(r.values()) for r in rows.values()) if rows else 0)
+    widest = max(sum(r.values()) for r in rows.values()) if rows else 0
+    unit, scale = pick_unit(widest)
     left = np.zeros(len(names))
     ys = np.arange(len(names))
     for c in CATEGORIES:
         vals = np.array([rows[n][c] for n in names]) / scale
-        if vals.any():
-            ax.barh(ys, vals, left=left, color=CATEGORY_COLORS[c], label=CATEGORY_LABELS[c])
+        if vals.any():  # the total in the label: a category too small to see as a bar is still accounted for
+            label = f"{CATEGORY_LABELS[c]} ({format_bytes(sum(rows[n][c] for n in names))})"
+            ax.barh(ys, vals, left=left, color=CATEGORY_COLORS[c], label=label)
         left += vals
-    ax.set_yticks(ys, names)
+    ax.set_yticks(ys, [OUTSIDE_MODULES if n == NO_MODULE else n for n in names])
     ax.invert_yaxis()
-    ax.margins(x=0.08)
+    ax.set_xlim(0, 1.05 * widest / scale if widest else 1)
     ax.set_xlabel(f"live bytes allocated by the module ({unit})")
+    ax.set_ylabel("module that allocated them")
     ax.set_title(f"Memory by module at the {when}")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category (total)", title_fontsize=8)
     return fig
 
 

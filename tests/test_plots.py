@@ -40,7 +40,7 @@ def test_module_bars_use_category_colours(trace):
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels[:3] == ["tok_emb", "pos_emb", "blocks.0"]
-    legend = {t.get_text() for t in ax.get_legend().get_texts()}
+    legend = {t.get_text().split(" (")[0] for t in ax.get_legend().get_texts()}
     assert {"parameters", "activations"} <= legend
     colours = {matplotlib.colors.to_hex(p.get_facecolor()) for p in ax.patches}
     assert colours <= {c.lower() for c in CATEGORY_COLORS.values()}
@@ -150,3 +150,27 @@ def test_package_storage_bytes_counts_each_storage_once_and_filters_by_device():
     assert storage_bytes(tensors) == 100 * 4 + 10 * 8
     assert storage_bytes(tensors, "cpu") == 100 * 4 + 10 * 8
     assert storage_bytes(tensors, "cuda") == 0
+
+
+def test_module_bars_label_both_axes_name_the_no_module_row_and_total_every_category(small_trace):
+    from anatomy_helpers.plots import OUTSIDE_MODULES, plot_module_bars
+
+    fig = plot_module_bars(small_trace, step=1, phase="forward")
+    ax = fig.axes[0]
+    assert ax.get_xlabel() and ax.get_ylabel()
+    rows = small_trace.live_by_module(small_trace.phase(1, "forward").end)
+    ticks = [t.get_text() for t in ax.get_yticklabels()]
+    assert "-" not in ticks and (OUTSIDE_MODULES in ticks) == ("-" in rows)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    for category in ("parameters", "activations"):
+        total = sum(r[category] for r in rows.values())  # the SMALL model: hundreds of KiB to a few MiB
+        spelled = f"{total / 2**20:.2f} MiB" if total >= 2**20 else f"{total / 2**10:.2f} KiB"
+        assert f"{category} ({spelled})" in labels, labels
+    bars_end = max(p.get_x() + p.get_width() for p in ax.patches)
+    assert ax.get_xlim()[1] >= bars_end  # no bar runs past the axis
+
+
+def test_format_bytes_picks_the_unit():
+    from anatomy_helpers.units import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1536, 3 * 2**20, 5 * 2**30)] == ["512 B", "1.50 KiB", "3.00 MiB", "5.00 GiB"]
