@@ -34,7 +34,6 @@ benchmarks/tracker_overhead.py.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
@@ -43,6 +42,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import checkpointing
+from .checks import positive_number
 from .interrupts import DeferredInterrupt
 from .recorder import MemoryBudgetExceeded, Recorder  # noqa: F401  (MemoryBudgetExceeded: re-exported)
 from .records import (
@@ -150,13 +150,8 @@ class StepTracker(Recorder):
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         if not any(id(p) in model_params for p in opt_params):
             raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer of this model")
-        if budget_bytes is not None and (
-            isinstance(budget_bytes, bool)
-            or not isinstance(budget_bytes, (int, float))
-            or not math.isfinite(budget_bytes)
-            or budget_bytes <= 0
-        ):
-            raise ValueError(f"budget_bytes must be a positive, finite number of bytes, got {budget_bytes!r}")
+        if budget_bytes is not None:
+            positive_number("budget_bytes", budget_bytes)
         self.model, self.optimizer, self.budget_bytes = model, optimizer, budget_bytes
         self.accumulate = bool(accumulate)
         first = next(iter(model.parameters()), None)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .checks import positive_number
 from .data import get_batch, seed_everything
 from .model import GPT, ModelConfig
 from .tracker import StepTracker, Trace
@@ -50,6 +51,9 @@ def make_optimizer(
     CPU and the foreach (multi-tensor) implementation on CUDA. ``fused=True`` asks for
     the fused kernel (one kernel updates every parameter in place).
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
+    positive_number("lr", lr)
     params = model.parameters()
     impl = {"foreach": foreach, "fused": fused}
     if name == "sgd":
