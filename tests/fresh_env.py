@@ -8,15 +8,19 @@ else is installed by pip, as the user's platform would.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import sysconfig
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -122,3 +126,34 @@ def offline_pip_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
     return env
+
+
+# pip's own option parser, so the index is the one pip uses here (PIP_INDEX_URL, pip.conf, or PyPI).
+_PIP_INDEX = (
+    "from pip._internal.commands import create_command; print(create_command('download').parse_args([])[0].index_url)"
+)
+
+
+@functools.cache
+def index_unreachable() -> str | None:
+    """Why the package index pip is configured with cannot be reached from here, or None when it answers.
+
+    Asked once per test process: a request to the index's root page. Any HTTP answer (even an error status) means the
+    network is there, so a pip failure is the files' fault, not the network's."""
+    url = subprocess.run([sys.executable, "-c", _PIP_INDEX], capture_output=True, text=True).stdout.strip()
+    url = url or "https://pypi.org/simple"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/", method="HEAD"), timeout=15).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as err:  # URLError (DNS, refused, TLS), timeouts
+        return f"the package index {url} does not answer ({err})"
+    return None
+
+
+def pip_failed(what: str, output: str) -> None:
+    """Skip when the index is out of reach (no network: said so), otherwise fail with pip's own words."""
+    why = index_unreachable()
+    if why:
+        pytest.skip(f"NOT TESTED: {what}: {why}")
+    pytest.fail(f"{what} failed while the package index answers (a bad requirement?). pip said:\n{output[-3000:]}")

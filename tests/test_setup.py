@@ -114,3 +114,28 @@ def test_lab_settings_switch_off_the_news_pop_up():
         .as_posix()
         .endswith("share/jupyter/lab/settings/overrides.d/training-step-anatomy.json")
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--here", "--cpu", "lab", "--port=9"],
+        ["lab", "--here", "--cpu", "--port=9"],
+        ["--cpu", "lab", "--here", "--port=9"],
+    ],
+)
+def test_options_work_before_and_after_the_command(argv):
+    """`bash scripts/lab.sh --here` passes its options after `lab`; an option left out there keeps the one before."""
+    args, extra = course.parse_args(argv)
+    assert (args.command, args.here, args.gpu, extra) == ("lab", True, False, ["--port=9"])
+
+
+def test_the_torch_download_shows_progress_and_the_local_attempt_is_quiet(monkeypatch, capsys):
+    runs = []
+    monkeypatch.setattr(course.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)) or
+                        subprocess.CompletedProcess(cmd, 1 if len(runs) == 1 else 0))  # fmt: skip
+    course.install_torch(course.Env(Path(sys.executable), Path(sys.prefix), False), gpu=False, wheelhouse=None)
+    (local, local_kw), (download, download_kw) = runs  # the local wheel fails here, so the download runs
+    assert "-q" in local and local_kw["capture_output"]  # an expected failure, not shown
+    assert "-q" not in download and not download_kw["capture_output"]  # pip's download line and progress bar
+    assert "trying" in capsys.readouterr().out
