@@ -156,4 +156,6 @@ def pip_failed(what: str, output: str) -> None:
     why = index_unreachable()
     if why:
         pytest.skip(f"NOT TESTED: {what}: {why}")
-    pytest.fail(f"{what} failed while the package index answers (a bad requirement?). pip said:\n{output[-3000:]}")
+    errors = "\n".join(line for line in output.splitlines() if line.lower().startswith("error"))
+    pytest.fail(f"{what} failed while the package index answers (a bad requirement?):\n{errors}\n"
+                f"--- the end of its output ---\n{output[-2000:]}")  # fmt: skip
