@@ -69,6 +69,7 @@ class FreshEnv:
     def run(self, args: list[str], **kw) -> subprocess.CompletedProcess:
         """Run this environment's Python; check=True, text output captured unless told otherwise."""
         kw.setdefault("check", True)
+        kw["env"] = without_checkout_path(kw.get("env"))
         kw.setdefault("cwd", self.root)  # not the checkout: `python -c` would import the package from the cwd
         kw.setdefault("text", True)
         if "stdout" not in kw and "capture_output" not in kw:
@@ -121,9 +122,15 @@ def make_env(root: Path, preinstalled: list[str], exclude: set[str] = frozenset(
     return FreshEnv(env_dir, python, site)
 
 
+def without_checkout_path(env: dict[str, str] | None) -> dict[str, str]:
+    """``env`` (default os.environ) without PYTHONPATH: a fresh environment, and the kernels it runs, must import the
+    course from what was installed into it, never from a checkout a developer put on the path."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k != "PYTHONPATH"}
+
+
 def offline_pip_env(**extra: str) -> dict[str, str]:
-    """os.environ for a pip that reads no configuration file and no PIP_* variable of this machine."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    """os.environ (less PYTHONPATH) for a pip that reads no configuration file and no PIP_* variable of this machine."""
+    env = {k: v for k, v in without_checkout_path(None).items() if not k.startswith("PIP_")}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
     return env
 

@@ -96,6 +96,13 @@ def test_first_cells_install_the_course_like_colab_and_the_notebooks_run_outside
     )
     run_env.pop("MPLBACKEND", None)  # Colab's inline backend, as a learner gets it
     results = env.execute([content / n for n in names], tmp / "executed", cwd=content, env=run_env)
+    if any("CalledProcessError" in p["error"] and "pip" in p["error"] for r in results for p in r["problems"]):
+        # The first cell's pip failed; its words went to the kernel's stderr, not to the notebook: ask pip again,
+        # the same way, to show them (a bad dependency in pyproject.toml fails here; no network skips).
+        course = f"anatomy_helpers @ git+https://github.com/{SLUG}@main"  # not -q: pip says which requirement
+        again = env.run(["-m", "pip", "install", course], env=run_env, cwd=content, check=False)
+        if again.returncode:
+            pip_failed("the first cell's pip install of the course from git", again.stdout + again.stderr)
     for r in results:
         print(f"Colab path: {r['notebook']} executed in {r['seconds']} s")
         assert r["problems"] == [], r
