@@ -222,8 +222,31 @@ def run_lab(env: Env, executed: bool, extra: list[str]) -> int:
         return 0
 
 
+def runs_browser_test(extra: list[str]) -> bool:
+    """Whether pytest with ``extra`` runs tests/test_browser.py: the whole suite or that file named, not
+    `-m "not delivery"` nor only other test files."""
+    if any("test_browser" in a for a in extra):
+        return True
+    if any("not delivery" in a for a in extra):
+        return False
+    return not any(not a.startswith("-") and (ROOT / a.split("::")[0]).exists() for a in extra)
+
+
+def prepare_browser(env: Env) -> None:
+    """Find Chromium and playwright for the browser test, or install them (once per machine), before pytest starts:
+    under pytest-xdist a worker's output reaches the console only when its test ends, so an install inside the test
+    ran for minutes in silence. browser_check says what it installs and why before it starts."""
+    code = (
+        "import browser_check as b; c, why = b.ensure_browser(log=lambda m: print(f'[browser test] {m}', flush=True));"
+        "print(f'[browser test] Chromium: {c}' if c else f'[browser test] will be skipped: {why}')"
+    )
+    subprocess.run([str(env.python), "-c", code], cwd=ROOT / "scripts")  # its import path: scripts/
+
+
 def run_tests(env: Env, extra: list[str]) -> int:
     torch_summary(env)
+    if runs_browser_test(extra):
+        prepare_browser(env)
     test_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYDEVD_DISABLE_FILE_VALIDATION="1", MPLBACKEND="Agg")
     # nbval compares against the stored CPU outputs, so the suite runs on CPU even on a GPU machine;
     # scripts/gpu_check.py covers CUDA.
