@@ -4,7 +4,7 @@
     python scripts/course.py test [PYTEST ARGS]                 # set up with the development tools, ruff + pytest
     python scripts/course.py setup [--dev]                      # only set up
 
-Options, before the command:
+Options, before or after the command:
     --here              use the Python running this script (a conda env, an existing venv) instead of .venv/
     --wheelhouse DIR    install only from DIR (built by scripts/wheelhouse.py): no network at all
     --cpu | --cuda      which torch build to install when none is installed (default: CUDA only where nvidia-smi
