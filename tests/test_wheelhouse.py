@@ -9,6 +9,7 @@ slow the test down (course.py keeps an installed torch, as on a laptop that has 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -30,11 +31,11 @@ DEAD_INDEX = "http://127.0.0.1:9/simple"  # nothing listens there: any attempt t
 wheelhouse_py = load_script("wheelhouse")
 
 
-def build(dest: Path, *options: str) -> list[Path]:
+def build(dest: Path, *options: str, env: dict[str, str] | None = None) -> list[Path]:
     """Run scripts/wheelhouse.py into ``dest`` without torch; its wheels. A pip failure fails the test unless the
     package index is out of reach."""
     cmd = [sys.executable, str(ROOT / "scripts" / "wheelhouse.py"), str(dest), "--no-torch", *options]
-    built = subprocess.run(cmd, capture_output=True, text=True)
+    built = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if built.returncode:
         pip_failed(f"scripts/wheelhouse.py {' '.join(options)}", built.stdout + built.stderr)
     print(built.stdout.strip().splitlines()[-1])
@@ -99,9 +100,20 @@ def needed_closure(wheels: list[Path], roots: list[str], marker_env: dict[str, s
     return {name for name, _ in seen}, missing
 
 
+@pytest.fixture(scope="module")
+def with_uv(tmp_path_factory) -> dict[str, str]:
+    """os.environ with uv on PATH, fetched once for the module as wheelhouse.py would fetch it for each run."""
+    scratch = tmp_path_factory.mktemp("uv")
+    try:
+        uv = Path(wheelhouse_py.find_uv(scratch))
+    except subprocess.CalledProcessError as err:
+        pip_failed("pip install uv", str(err))
+    return dict(os.environ, PATH=f"{uv.parent}{os.pathsep}{os.environ['PATH']}")
+
+
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_a_wheelhouse_for_another_platform_holds_what_its_markers_ask_for(tmp_path, target):
-    wheels = build(tmp_path / target, "--platform", target, "--python", "3.11")
+def test_a_wheelhouse_for_another_platform_holds_what_its_markers_ask_for(tmp_path, target, with_uv):
+    wheels = build(tmp_path / target, "--platform", target, "--python", "3.11", env=with_uv)
     names = {canonicalize_name(parse_wheel_filename(w.name)[0]) for w in wheels}
     marker_env = {**default_environment(), **TARGETS[target], "python_version": "3.11", "python_full_version": "3.11.9",
                   "implementation_name": "cpython", "platform_python_implementation": "CPython"}  # fmt: skip
