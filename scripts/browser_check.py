@@ -59,27 +59,34 @@ def _can_apt() -> list[str] | None:
 
 def ensure_browser(log=print) -> tuple[str | None, str]:
     """(Chromium's path, "") once Chromium and playwright are both here, installing what is missing; else
-    (None, why not)."""
+    (None, why not). What it installs it says first, with why; the installers' progress goes to this process's
+    stdout as they run (`python scripts/course.py test` calls this before pytest, where nothing hides it)."""
     chromium = find_chromium()
     if chromium is None:
         prefix = _can_apt()
         if prefix is None:
             return None, "no Chromium, and apt-get cannot install it here (needs root or passwordless sudo)"
-        log("installing Debian's chromium with apt-get (once per machine)")
+        log(f"no Chromium found (looked for $CHROMIUM, {', '.join(BROWSERS)}): the browser test needs one. Installing "
+            "Debian's chromium and the system libraries it needs (about 25 packages, some minutes) with "
+            f"`{' '.join([*prefix, 'apt-get', 'install', 'chromium'])}`, once per machine. CHROMIUM=/path/to/chrome "
+            "uses another browser instead.")  # fmt: skip
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                                                     "chromium"]):  # fmt: skip
-            done = subprocess.run([*prefix, *cmd], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                                                  "chromium"]):  # fmt: skip
+            sys.stdout.flush()
+            done = subprocess.run([*prefix, *cmd], stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
             if done.returncode:
                 return None, f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-300:]}"
         chromium = find_chromium()
         if chromium is None:
             return None, "apt-get installed chromium, but no chromium executable is on PATH"
+        log(f"installed {chromium}")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        log("installing playwright from PyPI (it drives the system Chromium; no browser download)")
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "playwright"], capture_output=True,
+        log("installing playwright from PyPI (about 40 MB; it drives the system Chromium, no browser download)")
+        sys.stdout.flush()
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "playwright"], stderr=subprocess.PIPE,
                               text=True)  # fmt: skip
         if done.returncode:
             return None, f"pip install playwright failed: {done.stderr.strip()[-300:]}"
