@@ -174,3 +174,20 @@ def test_format_bytes_picks_the_unit():
     from anatomy_helpers.units import format_bytes
 
     assert [format_bytes(n) for n in (512, 1536, 3 * 2**20, 5 * 2**30)] == ["512 B", "1.50 KiB", "3.00 MiB", "5.00 GiB"]
+
+
+def test_figure_digest_sees_the_data_not_the_text():
+    from anatomy_helpers.plots import CourseFigure
+    from anatomy_helpers.widgets import figure_digest
+
+    def figure(values, title):
+        fig = CourseFigure()
+        ax = fig.add_subplot()
+        ax.bar(range(len(values)), values)
+        ax.plot(values)
+        ax.set_title(title)
+        return fig
+
+    same = figure([1, 2, 3], "batch 8")
+    assert figure_digest(same) == figure_digest(figure([1, 2, 3], "batch 9"))  # an echo of the control: same data
+    assert figure_digest(same) != figure_digest(figure([1, 2, 4], "batch 8"))  # a new measurement
