@@ -243,7 +243,7 @@ def fit_panel(
     optimizer: str = "adamw",
     implementation: str = "foreach",
     checkpoint: str = "none",
-    device: str = "T4 16 GB",
+    device: str = "t4",
 ):
     """The notebook's slider panel: dry-run a configuration, print the fit table, return the plot."""
     cfg = ModelConfig(
