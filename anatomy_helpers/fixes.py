@@ -40,10 +40,16 @@ def step_flops(cfg: ModelConfig, batch_size: int, autocast: str | None = None) -
 
     ``autocast`` changes no count: autocast casts the inputs of the same ops, and every formula in torch's
     ``flop_counter.py`` reads shapes only (tests/test_prediction.py checks it). So it is not counted again.
+    Nor is every layer: the blocks are identical (same shapes, same policy per block), so the count is
+    ``F(1) + (L - 1) * (F(2) - F(1))``, from models of one and two blocks; exact (tested against the full count).
+    ``every_k`` checkpointing groups blocks into segments, so it is counted whole.
     """
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
-    return _flops_of(dataclasses.astuple(cfg), batch_size)
+    if cfg.n_layer <= 2 or cfg.checkpoint == "every_k":
+        return _flops_of(dataclasses.astuple(cfg), batch_size)
+    one, two = (_flops_of(dataclasses.astuple(replace(cfg, n_layer=n)), batch_size) for n in (1, 2))
+    return one + (cfg.n_layer - 1) * (two - one)
 
 
 #: What a fix changes, in the order the ranking prefers them: only the time a step takes (the same maths), the
@@ -151,7 +157,10 @@ def cheapest_fix(
     scores_kept = cfg.attn_impl == "manual" or cfg.dropout > 0  # sdpa without dropout keeps no s^2 scores
     for policy in ("attention", "selective", "full") if scores_kept else ("selective", "full"):
         if cfg.checkpoint != policy:
-            add(f"checkpoint={policy}", "time only", "recomputes in backward", new_cfg=replace(cfg, checkpoint=policy))
+            note = "recomputes in backward" + (
+                " (element-wise ops: not in the FLOP count)" if policy == "selective" else ""
+            )
+            add(f"checkpoint={policy}", "time only", note, new_cfg=replace(cfg, checkpoint=policy))
     if implementation != "fused" and optimizer in ("adam", "adamw"):
         note = "no optimizer temporaries; same maths"
         add("fused optimizer", "time only", note, implementation="fused", flops=base_flops)

@@ -1,5 +1,6 @@
 """Lesson 06's prediction helpers: will it fit, which phase runs out first, the cheapest fix."""
 
+import dataclasses
 import math
 
 import pytest
@@ -134,6 +135,15 @@ def test_flops_need_no_recount_for_autocast_or_smaller_batches(changes):
     base = step_flops(cfg, 4)
     assert _flops_under_autocast(cfg, 4, torch.bfloat16) == _flops_under_autocast(cfg, 4, torch.float16) == base
     assert 2 * step_flops(cfg, 2) == 4 * step_flops(cfg, 1) == base  # linear in the batch
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective", "attention", "offload"])
+def test_flops_from_one_and_two_blocks_equal_the_full_count(policy):
+    from anatomy_helpers.fixes import _flops_of
+
+    for changes in ({}, {"block": "llama", "n_kv_head": 1, "attn_impl": "sdpa", "dropout": 0.1}):
+        cfg = ModelConfig(**{**SMALL, "n_layer": 5, **changes}, checkpoint=policy)
+        assert step_flops(cfg, 2) == _flops_of(dataclasses.astuple(cfg), 2)
 
 
 def test_checkpointing_costs_flops_and_fixes_are_ranked():
