@@ -139,7 +139,7 @@ def track_steps(
     ``rank * b`` to ``(rank + 1) * b - 1`` of each global batch (``b = batch_size // world_size``), copied out as
     a data loader would hand them over, in micro-batches of ``b // micro_batches``. ``model`` may be a wrapper
     (DDP) whose ``.module`` is the course GPT. ``tracker``: a StepTracker (or subclass) of this model and
-    optimizer to record with instead of a new one.
+    optimizer to record with instead of a new one (made with ``accumulate=True`` when ``micro_batches > 1``).
 
     ``keep`` is what the loop keeps of each step for logging, in a list that lives through all steps:
     ``"item"``: ``loss.item()``, a Python float (the right way); ``"loss"``: the loss tensor itself, after
@@ -181,6 +181,13 @@ def track_steps(
     scaler = torch.amp.GradScaler(device.type) if autocast == "float16" and device.type == "cuda" else None
     if tracker is None:
         tracker = StepTracker(model, optimizer, budget_bytes=budget_bytes, accumulate=micro_batches > 1)
+    elif micro_batches > 1 and not tracker.accumulate:
+        # Without accumulate, the tracker starts a new step at every forward after a backward: each micro-batch
+        # would be a step of its own (2k steps recorded for 2 of k micro-batches).
+        raise ValueError(
+            f"micro_batches={micro_batches} needs a tracker made with StepTracker(..., accumulate=True), so that "
+            "the micro-batches' forward and backward passes count as one step"
+        )
     with tracker:
         for i in range(steps):
             if keep == "val_loss":

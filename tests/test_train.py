@@ -68,3 +68,21 @@ def test_autocast_keeps_fp32_model_states_and_saves_bf16_matmul_inputs(small):
     assert any(s.dtype == torch.bfloat16 and s.category == "activations" for s in trace.saved)
     with pytest.raises(ValueError, match="autocast"):
         track_steps(model, opt, autocast="fp8")
+
+
+def test_micro_batches_with_a_tracker_need_accumulate(small):
+    from anatomy_helpers.tracker import StepTracker
+
+    model, opt = small
+    plain = StepTracker(model, opt)
+    with pytest.raises(ValueError, match="accumulate=True"):
+        track_steps(model, opt, steps=2, batch_size=4, micro_batches=2, tracker=plain)
+    assert opt.state == {}  # refused before any step
+    trace = track_steps(
+        model, opt, steps=2, batch_size=4, micro_batches=2, tracker=StepTracker(model, opt, accumulate=True)
+    )
+    own = track_steps(model, opt, steps=2, batch_size=4, micro_batches=2)  # the tracker track_steps makes itself
+    for t in (trace, own):  # two steps of two forward/backward passes each, not four steps
+        assert [(p.step, p.phase) for p in t.phases() if p.phase != "idle"] == [
+            (s, ph) for s in (1, 2) for ph in ("forward", "backward", "forward", "backward", "optimizer")
+        ]
