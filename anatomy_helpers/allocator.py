@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import int_in, whole_bytes
 from .trace import PHASES, AllocationRecord
 from .units import MiB, round_up
 
@@ -159,6 +160,8 @@ class CachingAllocatorSim:
         """Allocate ``nbytes`` bytes for the allocation id ``key`` (chosen by the caller)."""
         if key in self._live:
             raise ValueError(f"allocation {key} is already live: free it first")
+        if type(nbytes) is not int or nbytes < 0:  # the replay's plain ints skip the full check
+            nbytes = whole_bytes("nbytes", nbytes, allow_zero=True)
         size = round_size(nbytes)
         pool = "small" if size <= SMALL_REQUEST else "large"
         block = self._best_fit(pool, size)
@@ -402,9 +405,7 @@ class LimitedAllocatorSim(CachingAllocatorSim):
 
     def __init__(self, limit: int):
         super().__init__()
-        if limit <= 0:
-            raise ValueError(f"limit must be positive, got {limit}")
-        self.limit = limit
+        self.limit = whole_bytes("limit", limit)
         self.cache_flushes = 0
         self._requested = 0
 
@@ -475,6 +476,5 @@ def min_limit_to_pass(record: AllocationRecord, through_step: int | None = None,
 def allocator_at(record: AllocationRecord, row: int, sim: CachingAllocatorSim | None = None) -> CachingAllocatorSim:
     """The simulated allocator after rows ``0..row`` of ``record`` (or ``sim``, replayed into), whose
     ``segments()`` show every segment and block at that moment."""
-    if not -1 <= row < len(record):
-        raise ValueError(f"row must be from -1 to {len(record) - 1}, got {row!r}")
+    row = int_in("row", row, -1, len(record))
     return replay_rows(CachingAllocatorSim() if sim is None else sim, record, row + 1)
