@@ -224,3 +224,46 @@ def test_the_early_answer_check_finds_a_planted_answer(tmp_path):
     for before, flagged in (("largest 4.00 MiB (fc)", True), ("grads 4,194,304 bytes", True), ("14.00 MiB", False)):
         nb.write_text(json.dumps({"cells": [cell(before), ask]}))
         assert bool(answers_shown_early(nb)) == flagged, before
+
+
+lesson_times = load_script("lesson_times")
+
+
+def guide_timing_rows() -> dict[str, list[str]]:
+    """The per-lesson timing table of the instructor guide, by lesson number."""
+    guide = (ROOT / "docs" / "instructor_guide.md").read_text()
+    section = guide.split("## How long each lesson takes", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if re.match(r"\| \d\d \|", line)]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return {r[0]: r for r in rows}
+
+
+def test_the_guides_lesson_times_count_what_the_notebooks_hold():
+    rows = guide_timing_rows()
+    assert sorted(rows) == [nb.name[:2] for nb in NOTEBOOKS]
+    for nb in NOTEBOOKS:
+        number, words, _, code, exercises, panels, seconds, estimate = rows[nb.name[:2]]
+        now = lesson_times.counts(nb, float(seconds))
+        assert (int(words.replace(",", "")), int(code), int(exercises), int(panels)) == (
+            now.words,
+            now.code_cells,
+            now.exercises,
+            now.panels,
+        ), f"{nb.name}: run `python scripts/lesson_times.py --execute` and update the guide's table"
+        assert int(estimate) == round(now.estimate_min), nb.name
+
+
+def test_every_slot_of_the_guides_plans_holds_its_lessons_estimate_and_the_day_has_a_buffer():
+    guide = (ROOT / "docs" / "instructor_guide.md").read_text()
+    estimates = {n: int(r[-1]) for n, r in guide_timing_rows().items()}
+    plan = guide.split("## The 3-hour plan", 1)[1].split("\n## ", 1)[0]
+    slots = []
+    for line in plan.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        lessons = re.findall(r"notebooks/(\d\d)_", line)
+        if len(lessons) == 1 and cells[-1].isdigit():
+            slots.append((lessons[0], int(cells[-1])))
+    assert {n for n, _ in slots} >= {"00", "01", "02", "03", "04"} and len(slots) == len(NOTEBOOKS)
+    assert [(n, m) for n, m in slots if m < estimates[n]] == [], "a slot shorter than its lesson's estimate"
+    buffer = re.search(r"\| \d:\d\d \| Buffer[^|]*\| (\d+) \|", plan)
+    assert buffer and int(buffer.group(1)) >= 10, "the 3-hour plan needs a buffer of 10 minutes or more"
