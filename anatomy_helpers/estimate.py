@@ -67,62 +67,112 @@ def optimizer_state_bytes(cfg: ModelConfig, optimizer: str) -> int:
     return p if optimizer == "momentum" else 0
 
 
+def _core_elt(cfg: ModelConfig) -> int:
+    """Bytes per element of the attention core. With dropout CPU sdpa runs its math kernel, which casts q, k and v
+    of a 16-bit model to fp32 first (``_scaled_dot_product_attention_math`` in aten's transformers/attention.cpp)."""
+    return 4 if cfg.attn_impl == "sdpa" and cfg.dropout > 0 else _elt(cfg)
+
+
+def _qkv_storages(cfg: ModelConfig, N: int) -> int:
+    """Bytes of the storages behind the q, k, v that enter the attention core. GPT-2: views of the one qkv output
+    (3Nh). Llama: q and k are rotary outputs; with grouped-query attention k and v are ``repeat_interleave``
+    copies (Nh each), without it v is a view of the whole qkv output."""
+    e, h, D = _elt(cfg), cfg.d_model, cfg.head_dim
+    if cfg.block != "llama":
+        return 3 * N * h * e
+    if cfg.kv_heads != cfg.n_head:
+        return 3 * N * h * e
+    return 2 * N * h * e + N * (cfg.n_head + 2 * cfg.kv_heads) * D * e
+
+
+def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
+    """What one block saves for backward without checkpointing, by the module that saves it first (bytes).
+
+    The keys are the block's submodules (``attn`` is the attention core, the block's own ops); each value counts
+    every storage once, for the first module that saves it, as :func:`anatomy_helpers.saved.saved_rows` does:
+
+    * a norm keeps its input and fp32 mean and rstd (LayerNorm, 2 x 4N) or its input, the normalised input and
+      the rms (RMSNorm, the model's dtype); each Linear keeps its input; GELU its input; SwiGLU gate, silu, up;
+    * the manual core keeps copies of q, k^T and v for the two matmuls (3Nh), the softmax output and the inverted
+      causal mask ``~mask`` (s x s bool); sdpa keeps q, k, v (:func:`_qkv_storages`), its output and the fp32
+      log-sum-exp. With dropout CPU sdpa runs the math kernel, which keeps what the manual core does but no mask.
+    * dropout on CPU keeps its noise in the model's dtype; the attention dropout's output is saved by att @ v.
+    """
+    e, s, h, a, F = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.mlp_ratio * cfg.d_model
+    N, scores, ec, dropout = b * s, b * a * s * s, _core_elt(cfg), cfg.dropout > 0
+    llama, fused = cfg.block == "llama", cfg.attn_impl == "sdpa" and not dropout
+    norm = 2 * N * h * e + N * e if llama else N * h * e + 2 * N * 4
+    if fused:  # the flash kernel: q, k, v, its output (GPT-2: the out-proj's input too) and the log-sum-exp
+        core = _qkv_storages(cfg, N) + N * h * e + 4 * b * a * s
+    else:  # q, k^T, v for the two matmuls, the softmax output, (the dropout's output), (the causal mask)
+        core = 3 * N * h * ec + scores * ec * (2 if dropout else 1) + (s * s if cfg.attn_impl == "manual" else 0)
+    attn_noise = scores * e if dropout and cfg.attn_impl == "manual" else 0  # sdpa's noise is in its core
+    terms = {"ln1": norm, "attn.qkv": N * h * e, "attn": core + (scores * ec if dropout and not attn_noise else 0)}
+    terms["attn.attn_drop"] = attn_noise
+    terms["attn.proj"] = 0 if fused and not llama else N * h * e  # GPT-2's sdpa output is the out-proj input
+    terms["attn.resid_drop"] = N * h * e if dropout else 0
+    terms["ln2"] = norm
+    if llama:
+        terms.update({"mlp.gate": N * h * e, "mlp": 3 * N * F * e})  # silu's input, its output, up's output
+    else:
+        terms.update({"mlp.fc": N * h * e, "mlp.gelu": N * F * e})
+    terms.update({"mlp.proj": N * F * e, "mlp.drop": N * h * e if dropout else 0})
+    return terms
+
+
 def layer_activation_bytes(cfg: ModelConfig, b: int, policy: str | None = None) -> int:
-    """What one block saves for backward with no checkpointing (``policy`` "none") or under ``policy``.
+    """What one block keeps for backward with no checkpointing (``policy`` "none") or under ``policy``.
 
-    GPT-2 block: the LayerNorm inputs and the inputs of qkv and fc (4Nh), LayerNorm mean and rstd (fp32, 2N
-    each, two norms), copies of q, k, v for the matmuls (3Nh), the out-proj input (Nh), GELU's input and output
-    (2NF), and the attention core: the softmax output ``b*a*s^2`` (manual) or only the fp32 log-sum-exp
-    ``4*b*a*s`` (sdpa: its output *is* the out-proj input). Llama block: RMSNorm keeps its input and the
-    normalised input (6Nh with the qkv and gate/up inputs) and SwiGLU keeps gate, silu, up and their product
-    (4NF). Dropout on CPU keeps its noise tensor in the model's dtype: the residual and MLP dropouts 2Nh, the
-    attention dropout its noise and its output (2 ``b*a*s^2``); with dropout CPU sdpa runs the math kernel,
-    which keeps what the manual one does.
-
-    ``"selective"`` keeps the block's input and the outputs of its matrix multiplications: qkv, q k^T (manual)
-    or the attention output and log-sum-exp (sdpa), att v, out-proj, fc (gate and up), MLP out-proj.
-    ``"attention"`` drops the ``s^2`` part (recomputed in backward).
+    ``"none"`` and ``"offload"`` (which keeps everything on a CPU): the sum of :func:`block_terms`.
+    ``"attention"`` keeps everything but the core's insides: the core's inputs q, k, v (their storages) and the
+    out-projection's input instead. ``"selective"`` keeps the block's input and the outputs of its matrix
+    multiplications: qkv, q k^T and att v (or the flash output and log-sum-exp), out-proj, fc (gate and up), the
+    MLP's out-projection. ``"full"`` and ``"every_k"`` keep only each segment's input (:func:`activation_bytes`).
     """
     e, s, h, a, D = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.head_dim
-    N, F = b * s, cfg.mlp_ratio * cfg.d_model
-    scores = b * a * s * s
-    lse = 4 * b * a * s
-    llama, dropout = cfg.block == "llama", cfg.dropout > 0
-    materialised = cfg.attn_impl == "manual" or dropout
+    N, F, ec = b * s, cfg.mlp_ratio * cfg.d_model, _core_elt(cfg)
+    llama, materialised = cfg.block == "llama", cfg.attn_impl == "manual" or cfg.dropout > 0
     policy = cfg.checkpoint if policy is None else policy
+    if policy in ("full", "every_k"):
+        return 0
     if policy == "selective":
         qkv_out = N * (cfg.n_head + 2 * cfg.kv_heads) * D * e
-        core = (scores * e + N * h * e) if materialised else (N * h * e + lse)
+        core = (b * a * s * s + N * h) * ec if materialised else N * h * e + 4 * b * a * s
         mlp = N * F * e * (2 if llama else 1) + N * h * e
         return N * h * e + qkv_out + core + N * h * e + mlp
-    stats = 2 * 2 * N * 4  # mean/rstd (LayerNorm) or rms (RMSNorm), two norms, fp32
-    norms_and_inputs = (6 if llama else 4) * N * h * e
-    mlp = (4 if llama else 2) * N * F * e
-    qkv_copies, proj_in = 3 * N * h * e, N * h * e
-    core = scores * e if materialised else lse
-    if dropout:
-        core += 2 * scores * e
-    if policy == "attention" and materialised:
-        core = 0  # recomputed in backward
-    masks = 2 * N * h * e if dropout else 0
-    return norms_and_inputs + stats + qkv_copies + proj_in + mlp + core + masks
+    terms = block_terms(cfg, b)
+    if policy == "attention":  # recomputed in backward from its inputs
+        terms.update({"attn": _qkv_storages(cfg, N), "attn.attn_drop": 0, "attn.proj": N * h * e})
+    return sum(terms.values())
+
+
+def embedding_activation_bytes(cfg: ModelConfig, b: int) -> int:
+    """The embeddings' saved tensors: GPT-2's position ids (int64, s) and the embedding dropout's noise (Nh)."""
+    pos = 8 * cfg.seq_len if cfg.block != "llama" else 0
+    return pos + (b * cfg.seq_len * cfg.d_model * _elt(cfg) if cfg.dropout > 0 else 0)
 
 
 def head_activation_bytes(cfg: ModelConfig, b: int) -> int:
-    """The final norm, the LM head's input and the loss: fp32 log-probabilities (N x V), targets (8N)."""
+    """The final norm's, the LM head's input and the loss's saved tensors: fp32 log-probabilities (N x V) and the
+    loss's 4-byte total weight. Freed at the head's backward."""
     e, N, h, V = _elt(cfg), b * cfg.seq_len, cfg.d_model, cfg.vocab_size
-    norm = (2 if cfg.block == "llama" else 1) * N * h * e + 2 * N * 4
-    loss = N * V * 4 + 8 * N + 4
-    return norm + N * h * e + loss + (N * h * e if cfg.dropout > 0 else 0)  # + the embedding dropout's noise
+    norm = 2 * N * h * e + N * e if cfg.block == "llama" else N * h * e + 2 * N * 4
+    return norm + N * h * e + N * V * 4 + 4
+
+
+def _segments(cfg: ModelConfig) -> list[int]:
+    """Blocks per checkpointed segment under "full" or "every_k", in forward order."""
+    k = cfg.checkpoint_every if cfg.checkpoint == "every_k" else 1
+    return [min(k, cfg.n_layer - i) for i in range(0, cfg.n_layer, k)]
 
 
 def activation_bytes(cfg: ModelConfig, b: int) -> int:
     """What the forward keeps for backward, at its end, under the config's checkpointing policy."""
-    L, e, N, h = cfg.n_layer, _elt(cfg), b * cfg.seq_len, cfg.d_model
+    L, N, h = cfg.n_layer, b * cfg.seq_len, cfg.d_model
+    edge = embedding_activation_bytes(cfg, b) + head_activation_bytes(cfg, b)
     if cfg.checkpoint in ("full", "every_k"):
-        k = 1 if cfg.checkpoint == "full" else cfg.checkpoint_every
-        return -(-L // k) * N * h * e + head_activation_bytes(cfg, b)  # one input per segment
-    return L * layer_activation_bytes(cfg, b) + head_activation_bytes(cfg, b)
+        return len(_segments(cfg)) * N * h * _elt(cfg) + edge  # one input per segment
+    return L * layer_activation_bytes(cfg, b) + edge
 
 
 def block_parameter_bytes(cfg: ModelConfig) -> int:
@@ -144,37 +194,95 @@ def optimizer_temporaries(cfg: ModelConfig, optimizer: str, impl: str) -> int:
     return param_count(cfg) * e if impl == "foreach" else 2 * largest
 
 
-def estimate_step(cfg: ModelConfig, batch_size: int, optimizer: str = "adamw", impl: str = "single") -> StepEstimate:
-    """Predicted peak of each phase of step 1 and of later steps (``phase_peaks[(1 or 2, phase)]``), in bytes."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
-    e, b, N, h, V = _elt(cfg), batch_size, batch_size * cfg.seq_len, cfg.d_model, cfg.vocab_size
-    F = cfg.mlp_ratio * h
-    P, G = parameter_bytes(cfg), param_count(cfg) * e
-    O = optimizer_state_bytes(cfg, optimizer)  # noqa: E741
-    A, A_head = activation_bytes(cfg, b), head_activation_bytes(cfg, b)
-    logits = N * V * e + (N * V * 4 if e != 4 else 0)  # the logits (and their fp32 copy for the loss)
-    # backward, at the head: the gradients of the log-probabilities and of the logits
-    head_bwd = A + 2 * N * V * 4
-    # backward, at the last block's MLP: gradients of its hidden (NF; SwiGLU: two more, one input freed), of its
-    # output (Nh), and its out-projection's weight gradient (Fh)
-    mlp_grads = (2 if cfg.block == "llama" else 1) * N * F * e
-    block_bwd = A - A_head + mlp_grads + N * h * e + F * h * e
+def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
+    """Memory above parameters, optimizer state and the batch at the moments where backward can peak (bytes).
+
+    * ``"head"``: the loss's backward, the gradients of the log-probabilities and of the logits (N x V, fp32);
+    * ``"last MLP"``: the last block's MLP out-projection (GPT-2; Llama: SwiGLU's product), the head's activations
+      freed, its weight gradient alive (tied: held by autograd until the embedding's gradient is added to it),
+      the residual stream's gradient (Nh), the gradient of the MLP's hidden (SwiGLU: two) and the weight's;
+      under "selective" the last block recomputed (all it saves without checkpointing, its input kept twice);
+    * ``"last core"``: the last block's attention core (materialised), its MLP freed: the gradients of the
+      scores and of the softmax (``b*a*s^2`` each), v's copy freed; recomputed first under "attention";
+    * ``"segment"`` (full, every_k): a segment's blocks recomputed, the first segment with every later gradient;
+    * ``"embedding"``: every gradient but the embedding's, then its own. A tied embedding's gradient is summed
+      with the LM head's (autograd's ``InputBuffer::add``: both V x h and their sum alive at once); untied, the
+      gradient of the embedding output (Nh) is alive beside it.
+    """
+    e, s, h, a, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.vocab_size
+    N, F, llama, tied = b * s, cfg.mlp_ratio * h, cfg.block == "llama", cfg.tie_embeddings
+    G = param_count(cfg) * e
+    acts = activation_bytes(cfg, b) - head_activation_bytes(cfg, b)  # embeddings and blocks
+    head_grads = V * h * e + (1 if llama else 2) * h * e  # the LM head's weight and the final norm's
+    mlp_bwd = N * h * e + (2 * N * F * e + F * h * e if llama else N * F * e + F * h * e + h * e)
+    moments = {"head": activation_bytes(cfg, b) + 2 * N * V * 4}
     none = layer_activation_bytes(cfg, b, "none")
     if cfg.checkpoint in ("full", "every_k"):
-        k = cfg.checkpoint_every if cfg.checkpoint == "every_k" else 1
-        segment = k * none + mlp_grads + N * h * e
-        first = G - k * block_parameter_bytes(cfg) + F * h * e + segment  # last segment recomputed, grads in
-        last = (A - A_head) + segment + F * h * e  # first segment recomputed, every input still kept
-        block_bwd = max(first, last)
-    elif cfg.checkpoint in ("selective", "attention"):
-        block_bwd += none - layer_activation_bytes(cfg, b)  # the last block's recomputed part
+        segs = _segments(cfg)
+        live = [k * none + mlp_bwd for k in segs]  # a segment recomputed, its input kept by the checkpoint
+        first = embedding_activation_bytes(cfg, b) + G - V * h * e * (0 if tied else 1) - _emb_params(cfg)
+        first += live[0] - segs[0] * block_parameter_bytes(cfg)
+        moments["segment"] = max(acts + head_grads + live[-1] - N * h * e, first)
+    else:
+        recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if cfg.checkpoint == "selective" else 0
+        moments["last MLP"] = acts + head_grads + recomputed + mlp_bwd
+        if cfg.attn_impl == "manual" or cfg.dropout > 0:
+            terms = block_terms(cfg, b)
+            mlp_done = sum(v for k, v in terms.items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.resid")))
+            grads = head_grads + block_parameter_bytes(cfg) - (3 * h * h + h * h if not llama else 0)
+            scores = b * a * s * s * _core_elt(cfg)
+            core = acts + recomputed + (none - layer_activation_bytes(cfg, b) if cfg.checkpoint == "attention" else 0)
+            moments["last core"] = core - mlp_done + grads + N * h * e + 2 * scores - N * h * _core_elt(cfg)
+    grad_out = N * h * e
+    moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)
+    return moments
+
+
+def _emb_params(cfg: ModelConfig) -> int:
+    """Bytes of the embedding tables (token, and GPT-2's positions)."""
+    return (cfg.vocab_size + (cfg.seq_len if cfg.block != "llama" else 0)) * cfg.d_model * _elt(cfg)
+
+
+def estimate_step(
+    cfg: ModelConfig,
+    batch_size: int,
+    optimizer: str = "adamw",
+    impl: str = "single",
+    *,
+    autocast: str | None = None,
+    micro_batches: int = 1,
+) -> StepEstimate:
+    """Predicted peak of each phase of step 1 and of later steps (``phase_peaks[(1 or 2, phase)]``), in bytes.
+
+    Autocast and gradient accumulation are not modelled (autocast's casts and saved dtypes follow per-op rules; a
+    second micro-batch adds a gradient sum per parameter): they are refused with a ValueError, and the dry run
+    (``dryrun.dry_run_config``) measures them instead.
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if autocast is not None:
+        raise ValueError(
+            f"estimate_step does not model autocast (got {autocast!r}): which ops run in 16 bits and what they "
+            "save follows torch's per-op lists; dry-run the step instead (dryrun.dry_run_config(..., autocast=...))"
+        )
+    if micro_batches != 1:
+        raise ValueError(
+            f"estimate_step models one micro-batch per step, got micro_batches={micro_batches!r}: accumulation "
+            "adds each later micro-batch's gradient to .grad; dry-run it instead (train.track_steps under a dry run)"
+        )
+    e, b, N, V = _elt(cfg), batch_size, batch_size * cfg.seq_len, cfg.vocab_size
+    P, G = parameter_bytes(cfg), param_count(cfg) * e
+    O = optimizer_state_bytes(cfg, optimizer)  # noqa: E741
+    batch = 2 * N * 8  # the inputs and the targets, int64
+    A = activation_bytes(cfg, b)
+    logits = N * V * e + (N * V * 4 if e != 4 else 0) + 4  # the logits (their fp32 copy for the loss), the loss
+    backward = max(backward_moments(cfg, b).values())
     temps = optimizer_temporaries(cfg, optimizer, impl)
     peaks = {}
     for step, state in ((1, 0), (2, O)):
-        peaks[(step, "forward")] = P + state + A + logits
-        peaks[(step, "backward")] = P + state + max(head_bwd, block_bwd)
-        peaks[(step, "optimizer")] = P + G + O + temps
+        peaks[(step, "forward")] = P + state + batch + A + logits
+        peaks[(step, "backward")] = P + state + batch + backward
+        peaks[(step, "optimizer")] = P + G + O + batch + temps
     return StepEstimate(P, G, O, A, peaks)
 
 

@@ -58,6 +58,35 @@ SWEEP = [
     (dict(n_layer=8, checkpoint="every_k", checkpoint_every=4), "adamw", None, None, 8),
     (dict(dropout=0.1, checkpoint="full"), "adamw", None, None, 8),
     (dict(block="llama", n_kv_head=1, checkpoint="selective", attn_impl="sdpa"), "adam", True, None, 4),
+    # vocabulary-heavy shapes at batch 1: the head's and the embedding's V x h gradients decide the peak
+    (dict(vocab_size=32000), "sgd", None, None, 1),
+    (dict(vocab_size=32000), "adamw", None, True, 1),
+    (dict(vocab_size=32000, tie_embeddings=False), "sgd", None, None, 1),
+    (dict(vocab_size=32000, tie_embeddings=False), "adamw", True, None, 1),
+    (dict(n_layer=12, d_model=768, n_head=12, vocab_size=50304), "momentum", None, None, 1),
+    (dict(block="llama", vocab_size=32000, dtype="bfloat16"), "adam", None, True, 1),
+    (dict(block="llama", vocab_size=32000, tie_embeddings=False, attn_impl="sdpa"), "sgd", True, None, 1),
+    (dict(vocab_size=16000, dropout=0.1, checkpoint="full"), "momentum", True, None, 1),
+    # dropout under every checkpointing policy, both blocks
+    (dict(dropout=0.1, checkpoint="attention"), "adamw", None, None, 8),
+    (dict(dropout=0.1, checkpoint="attention", attn_impl="sdpa"), "adamw", None, True, 8),
+    (dict(dropout=0.1, checkpoint="selective"), "adamw", None, None, 8),
+    (dict(dropout=0.1, checkpoint="every_k", checkpoint_every=2), "sgd", None, None, 8),
+    (dict(dropout=0.1, block="llama"), "adamw", True, None, 8),
+    (dict(dropout=0.1, block="llama", checkpoint="attention"), "adamw", None, None, 8),
+    (dict(dropout=0.1, block="llama", checkpoint="selective", n_kv_head=2), "momentum", None, None, 8),
+    (dict(dropout=0.1, block="llama", checkpoint="full", attn_impl="sdpa"), "adam", None, True, 8),
+    (dict(dropout=0.1, dtype="bfloat16", checkpoint="attention"), "adamw", None, None, 8),
+    # the llama block under the other policies, odd head counts, bf16
+    (dict(block="llama", checkpoint="selective"), "adamw", None, None, 8),
+    (dict(block="llama", checkpoint="attention", n_kv_head=2), "sgd", None, True, 8),
+    (dict(block="llama", checkpoint="every_k", checkpoint_every=2, dtype="bfloat16"), "adamw", None, None, 8),
+    (dict(d_model=320, n_head=5, attn_impl="sdpa"), "adamw", None, True, 8),
+    (dict(d_model=192, n_head=3), "adam", True, None, 8),
+    (dict(d_model=320, n_head=5, block="llama", n_kv_head=1, attn_impl="sdpa"), "sgd", None, None, 4),
+    (dict(d_model=192, n_head=3, checkpoint="selective", dropout=0.1, attn_impl="sdpa"), "adamw", True, None, 8),
+    (dict(dtype="bfloat16", dropout=0.1, attn_impl="sdpa"), "momentum", None, True, 8),
+    (dict(seq_len=256, dropout=0.1), "sgd", None, None, 4),
 ]
 
 #: Big shapes for the laptop claim: (name, config, micro-batch). Optimizer: AdamW, foreach (CUDA's default).
