@@ -214,7 +214,12 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     G = param_count(cfg) * e
     acts = activation_bytes(cfg, b) - head_activation_bytes(cfg, b)  # embeddings and blocks
     head_grads = V * h * e + (1 if llama else 2) * h * e  # the LM head's weight and the final norm's
+    # the last MLP's backward: the residual stream's gradient, the hidden's gradient(s) and the out-proj weight's
     mlp_bwd = N * h * e + (2 * N * F * e + F * h * e if llama else N * F * e + F * h * e + h * e)
+    if cfg.dropout > 0:
+        # Llama peaks at SwiGLU's product, after the dropout's noise and gradient are gone; under "selective"
+        # the kept out-projection output goes once the recomputed dropout has used it
+        mlp_bwd -= N * h * e * (llama + (cfg.checkpoint == "selective"))
     moments = {"head": activation_bytes(cfg, b) + 2 * N * V * 4}
     none = layer_activation_bytes(cfg, b, "none")
     if cfg.checkpoint in ("full", "every_k"):
@@ -229,13 +234,26 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         if cfg.attn_impl == "manual" or cfg.dropout > 0:
             terms = block_terms(cfg, b)
             mlp_done = sum(v for k, v in terms.items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.resid")))
-            grads = head_grads + block_parameter_bytes(cfg) - (3 * h * h + h * h if not llama else 0)
-            scores = b * a * s * s * _core_elt(cfg)
-            core = acts + recomputed + (none - layer_activation_bytes(cfg, b) if cfg.checkpoint == "attention" else 0)
-            moments["last core"] = core - mlp_done + grads + N * h * e + 2 * scores - N * h * _core_elt(cfg)
+            grads = head_grads + block_parameter_bytes(cfg) - _qkv_ln1_params(cfg)  # all but qkv's and ln1's
+            ec, dropout = _core_elt(cfg), cfg.dropout > 0
+            scores = b * a * s * s * ec
+            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too
+                recomputed = terms["attn"] + terms["attn.attn_drop"]
+            # the residual's gradient and y's (copied to (B, a, s, D)), with dropout the out-proj input's too
+            # ("selective": the kept out-proj output gone, as above); then the gradient of the scores and, without
+            # dropout, the softmax's too, v's copy freed (with dropout the noise and its output go first)
+            grad_paths = 2 + (dropout and cfg.checkpoint != "selective")
+            core_bwd = grad_paths * N * h * e + scores + (0 if dropout else scores - N * h * ec)
+            moments["last core"] = acts + recomputed - mlp_done + grads + core_bwd
     grad_out = N * h * e
     moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)
     return moments
+
+
+def _qkv_ln1_params(cfg: ModelConfig) -> int:
+    """Bytes of the qkv projection's and the first norm's parameters (their gradients come last in a block)."""
+    h, qkv = cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+    return (h * qkv + h if cfg.block == "llama" else h * qkv + qkv + 2 * h) * _elt(cfg)
 
 
 def _emb_params(cfg: ModelConfig) -> int:
