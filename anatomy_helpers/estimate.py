@@ -50,13 +50,20 @@ def parameter_bytes(cfg: ModelConfig) -> int:
     return param_count(cfg) * e + buffers
 
 
+def param_sizes(cfg: ModelConfig) -> list[int]:
+    """Elements of each parameter tensor, in the order ``model.parameters()`` gives them (the optimizer's order)."""
+    h, F, V = cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.vocab_size
+    qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+    head = [] if cfg.tie_embeddings else [V * h]  # a tied LM head is the embedding's tensor
+    if cfg.block == "llama":  # ln1, qkv, proj, ln2, gate, up, down; the final RMSNorm
+        return [V * h] + [h, qkv * h, h * h, h, F * h, F * h, h * F] * cfg.n_layer + [h] + head
+    block = [h, h, qkv * h, qkv, h * h, h, h, h, F * h, F, h * F, h]  # LN, qkv, proj, LN, fc, proj (w, b)
+    return [V * h, cfg.seq_len * h] + block * cfg.n_layer + [h, h] + head
+
+
 def n_param_tensors(cfg: ModelConfig) -> int:
     """How many parameter tensors the model has (Adam keeps one 4-byte ``step`` per tensor)."""
-    if cfg.block == "llama":
-        per_block, rest = 2 + 2 + 3, 2 + (0 if cfg.tie_embeddings else 1)  # norms, qkv+proj, gate/up/down
-    else:
-        per_block, rest = 4 + 4 + 4, 4 + (0 if cfg.tie_embeddings else 1)  # LN w+b x2, qkv/proj w+b, fc/proj w+b
-    return cfg.n_layer * per_block + rest
+    return len(param_sizes(cfg))
 
 
 def optimizer_state_bytes(cfg: ModelConfig, optimizer: str) -> int:
@@ -91,8 +98,9 @@ def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
     The keys are the block's submodules (``attn`` is the attention core, the block's own ops); each value counts
     every storage once, for the first module that saves it, as :func:`anatomy_helpers.saved.saved_rows` does:
 
-    * a norm keeps its input and fp32 mean and rstd (LayerNorm, 2 x 4N) or its input, the normalised input and
-      the rms (RMSNorm, the model's dtype); each Linear keeps its input; GELU its input; SwiGLU gate, silu, up;
+    * a norm keeps its input and mean and rstd (LayerNorm: N each, in the model's dtype on CPU) or its input,
+      the normalised input and the rms (RMSNorm); each Linear keeps its input; GELU its input; SwiGLU gate, silu,
+      up;
     * the manual core keeps copies of q, k^T and v for the two matmuls (3Nh), the softmax output and the inverted
       causal mask ``~mask`` (s x s bool); sdpa keeps q, k, v (:func:`_qkv_storages`), its output and the fp32
       log-sum-exp. With dropout CPU sdpa runs the math kernel, which keeps what the manual core does but no mask.
@@ -101,7 +109,7 @@ def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
     e, s, h, a, F = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.mlp_ratio * cfg.d_model
     N, scores, ec, dropout = b * s, b * a * s * s, _core_elt(cfg), cfg.dropout > 0
     llama, fused = cfg.block == "llama", cfg.attn_impl == "sdpa" and not dropout
-    norm = 2 * N * h * e + N * e if llama else N * h * e + 2 * N * 4
+    norm = 2 * N * h * e + N * e if llama else N * h * e + 2 * N * e
     if fused:  # the flash kernel: q, k, v, its output (GPT-2: the out-proj's input too) and the log-sum-exp
         core = _qkv_storages(cfg, N) + N * h * e + 4 * b * a * s
     else:  # q, k^T, v for the two matmuls, the softmax output, (the dropout's output), (the causal mask)
@@ -156,7 +164,7 @@ def head_activation_bytes(cfg: ModelConfig, b: int) -> int:
     """The final norm's, the LM head's input and the loss's saved tensors: fp32 log-probabilities (N x V) and the
     loss's 4-byte total weight. Freed at the head's backward."""
     e, N, h, V = _elt(cfg), b * cfg.seq_len, cfg.d_model, cfg.vocab_size
-    norm = 2 * N * h * e + N * e if cfg.block == "llama" else N * h * e + 2 * N * 4
+    norm = 2 * N * h * e + N * e if cfg.block == "llama" else N * h * e + 2 * N * e
     return norm + N * h * e + N * V * 4 + 4
 
 
@@ -185,13 +193,49 @@ def block_parameter_bytes(cfg: ModelConfig) -> int:
 
 def optimizer_temporaries(cfg: ModelConfig, optimizer: str, impl: str) -> int:
     """The optimizer step's transient memory. Adam's ``denom = (exp_avg_sq.sqrt() / c).add_(eps)`` makes two
-    tensors: the for-loop one tensor at a time (the largest: the token embedding or an MLP matrix), foreach
-    one list for every parameter at once; fused kernels none."""
-    e, h, F, V = _elt(cfg), cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.vocab_size
-    largest = max(V * h, F * h) * e
-    if impl == "fused" or optimizer in ("sgd", "momentum"):  # SGD's updates are in place
+    tensors: foreach one list for every parameter at once; the for-loop one tensor at a time, while the previous
+    tensor's ``denom`` is still bound (until the assignment), so the largest of ``previous + 2 x this`` (torch's
+    ``_single_tensor_adam``); fused kernels none, and SGD's updates are in place."""
+    if impl == "fused" or optimizer in ("sgd", "momentum"):
         return 0
-    return param_count(cfg) * e if impl == "foreach" else 2 * largest
+    sizes = param_sizes(cfg)
+    if impl == "foreach":
+        return sum(sizes) * _elt(cfg)
+    return max(prev + 2 * n for prev, n in zip([0] + sizes, sizes)) * _elt(cfg)
+
+
+def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
+    """Memory above parameters, optimizer state and the batch where forward can peak (bytes).
+
+    * ``"loss"``: every activation, the logits (a 16-bit model's fp32 copy too) and the loss;
+    * ``"last MLP"`` (full, every_k, selective): inside the last block, which saves nothing (or only its matrix
+      products) there: the residual after attention, the second norm's output (the MLP's argument) and the MLP's
+      hidden (GELU's input and output; SwiGLU's silu, up and their product); the block's input too where the
+      segment does not keep it (the segment's loop still holds it). Under "selective" at the MLP's out-projection
+      (GPT-2: GELU's output beside the kept fc output; Llama: silu's and the product beside the kept gate and up);
+    * ``"last core"`` (full, every_k; materialised attention): the first norm's output (the attention's argument),
+      the qkv output, and the core's scores twice (a product and the next op's output; with dropout three: its
+      noise too; without, the inverted causal mask), or the copies of q and k^T beside the scores. CPU sdpa's math
+      kernel (dropout) keeps an output buffer and a float s x s causal mask beside three of them.
+    """
+    e, s, h, a, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.vocab_size
+    N, F, llama, ec = b * s, cfg.mlp_ratio * h, cfg.block == "llama", _core_elt(cfg)
+    A = activation_bytes(cfg, b)
+    moments = {"loss": A + N * V * e + (N * V * 4 if e != 4 else 0) + 4}
+    before = A - head_activation_bytes(cfg, b)  # embeddings and blocks
+    if cfg.checkpoint in ("full", "every_k"):
+        held = N * h * e if _segments(cfg)[-1] > 1 else 0  # the last block's input, not a segment's
+        moments["last MLP"] = before + held + 2 * N * h * e + (3 if llama else 2) * N * F * e
+        if cfg.attn_impl == "manual" or cfg.dropout > 0:
+            S, qkv = b * a * s * s * ec, _qkv_storages(cfg, N)
+            if cfg.attn_impl == "sdpa":  # the math kernel: an output buffer, the float causal mask, three s^2
+                core = N * h * ec + 4 * s * s + 3 * S + (3 * N * h * ec if ec != e else 0)  # (fp32 q, k, v)
+            else:  # scores, scaled scores, masked scores (the mask), softmax: two at a time; dropout: three
+                core = max(2 * N * h * e + S, 3 * S if cfg.dropout > 0 else 2 * S + s * s)
+            moments["last core"] = before + held + N * h * e + qkv + core
+    elif cfg.checkpoint == "selective":
+        moments["last MLP"] = before + (N * h * e + 2 * N * F * e if llama else 2 * N * h * e + N * F * e)
+    return moments
 
 
 def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
@@ -225,7 +269,7 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     if cfg.checkpoint in ("full", "every_k"):
         segs = _segments(cfg)
         live = [k * none + mlp_bwd for k in segs]  # a segment recomputed, its input kept by the checkpoint
-        first = embedding_activation_bytes(cfg, b) + G - V * h * e * (0 if tied else 1) - _emb_params(cfg)
+        first = embedding_activation_bytes(cfg, b) + G - _emb_params(cfg) + (V * h * e if tied else 0)
         first += live[0] - segs[0] * block_parameter_bytes(cfg)
         moments["segment"] = max(acts + head_grads + live[-1] - N * h * e, first)
     else:
@@ -288,17 +332,16 @@ def estimate_step(
             f"estimate_step models one micro-batch per step, got micro_batches={micro_batches!r}: accumulation "
             "adds each later micro-batch's gradient to .grad; dry-run it instead (train.track_steps under a dry run)"
         )
-    e, b, N, V = _elt(cfg), batch_size, batch_size * cfg.seq_len, cfg.vocab_size
+    e, b, N = _elt(cfg), batch_size, batch_size * cfg.seq_len
     P, G = parameter_bytes(cfg), param_count(cfg) * e
     O = optimizer_state_bytes(cfg, optimizer)  # noqa: E741
     batch = 2 * N * 8  # the inputs and the targets, int64
     A = activation_bytes(cfg, b)
-    logits = N * V * e + (N * V * 4 if e != 4 else 0) + 4  # the logits (their fp32 copy for the loss), the loss
     backward = max(backward_moments(cfg, b).values())
     temps = optimizer_temporaries(cfg, optimizer, impl)
     peaks = {}
     for step, state in ((1, 0), (2, O)):
-        peaks[(step, "forward")] = P + state + batch + A + logits
+        peaks[(step, "forward")] = P + state + batch + max(forward_moments(cfg, b).values())
         peaks[(step, "backward")] = P + state + batch + backward
         peaks[(step, "optimizer")] = P + G + O + batch + temps
     return StepEstimate(P, G, O, A, peaks)
