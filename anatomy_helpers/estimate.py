@@ -264,6 +264,8 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         # Llama peaks at SwiGLU's product, after the dropout's noise and gradient are gone; under "selective"
         # the kept out-projection output goes once the recomputed dropout has used it
         mlp_bwd -= N * h * e * (llama + (cfg.checkpoint == "selective"))
+        if not llama and cfg.checkpoint in ("selective", "full", "every_k"):
+            mlp_bwd -= h * e  # a recomputed block peaks at the out-projection before its bias gradient
     moments = {"head": activation_bytes(cfg, b) + 2 * N * V * 4}
     none = layer_activation_bytes(cfg, b, "none")
     if cfg.checkpoint in ("full", "every_k"):
