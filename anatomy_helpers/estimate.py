@@ -216,7 +216,8 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     * ``"last core"`` (full, every_k; materialised attention): the first norm's output (the attention's argument),
       the qkv output, and the core's scores twice (a product and the next op's output; with dropout three: its
       noise too; without, the inverted causal mask), or the copies of q and k^T beside the scores. CPU sdpa's math
-      kernel (dropout) keeps an output buffer and a float s x s causal mask beside three of them.
+      kernel (dropout) keeps an output buffer and a float s x s causal mask beside three of them (or beside the
+      scores and its copies of q, k, v).
     """
     e, s, h, a, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.vocab_size
     N, F, llama, ec = b * s, cfg.mlp_ratio * h, cfg.block == "llama", _core_elt(cfg)
@@ -228,8 +229,9 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         moments["last MLP"] = before + held + 2 * N * h * e + (3 if llama else 2) * N * F * e
         if cfg.attn_impl == "manual" or cfg.dropout > 0:
             S, qkv = b * a * s * s * ec, _qkv_storages(cfg, N)
-            if cfg.attn_impl == "sdpa":  # the math kernel: an output buffer, the float causal mask, three s^2
-                core = N * h * ec + 4 * s * s + 3 * S + (3 * N * h * ec if ec != e else 0)  # (fp32 q, k, v)
+            if cfg.attn_impl == "sdpa":  # the math kernel: an output buffer, the float causal mask (fp32 q, k, v),
+                # then the scaled q, k^T and v copies beside the scores, or three s^2 tensors
+                core = N * h * ec + 4 * s * s + max(3 * N * h * ec + S, 3 * S) + (3 * N * h * ec if ec != e else 0)
             else:  # scores, scaled scores, masked scores (the mask), softmax: two at a time; dropout: three
                 core = max(2 * N * h * e + S, 3 * S if cfg.dropout > 0 else 2 * S + s * s)
             moments["last core"] = before + held + N * h * e + qkv + core
