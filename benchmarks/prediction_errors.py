@@ -1,10 +1,13 @@
 """Predict, then measure: the closed form against the dry run on a sweep, and dry-run time and memory at scale.
 
-    python benchmarks/prediction_errors.py            # the error table (34 configs) and the three big dry runs
+    python benchmarks/prediction_errors.py            # the error table (60 configs) and the three big dry runs
     python benchmarks/prediction_errors.py --quick    # the first 8 configs
 
 The dry run equals the tracker's measurement byte for byte (tests/test_dryrun.py), so it is the measurement
-here. Beside the closed form: what weights only, model states only and 16 bytes/param + Korthikanti say.
+here. Beside the closed form: what weights only, model states only and 16 bytes/param + Korthikanti say. The sweep
+covers both blocks, manual and sdpa attention, odd head counts, fp32 and bf16, dropout under every checkpointing
+policy, every optimizer and implementation, and vocabulary-heavy shapes at batch 1 (tied and untied), where the
+head's and the embedding's V x h gradients decide the peak.
 """
 
 from __future__ import annotations

@@ -112,6 +112,7 @@ STEP_CASES = [
     (dict(), "adamw", None, None, 4, "last MLP"),
     (dict(vocab_size=8000), "sgd", None, None, 1, "embedding"),  # the tied gradient sum: three V x h
     (dict(vocab_size=8000, tie_embeddings=False), "adamw", None, True, 1, "embedding"),
+    (dict(vocab_size=8000, block="llama", dtype="bfloat16", attn_impl="sdpa"), "adam", None, True, 1, "embedding"),
     (dict(checkpoint="attention", dropout=0.1), "adamw", None, None, 4, "last MLP"),
     (dict(seq_len=128, dropout=0.1, checkpoint="attention"), "sgd", None, None, 4, "last core"),
     (dict(seq_len=256), "momentum", True, None, 4, "last core"),
