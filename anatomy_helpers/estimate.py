@@ -92,6 +92,22 @@ def _qkv_storages(cfg: ModelConfig, N: int) -> int:
     return 2 * N * h * e + N * (cfg.n_head + 2 * cfg.kv_heads) * D * e
 
 
+def _matmul_qkv(cfg: ModelConfig, b: int, without_v: bool = False) -> int:
+    """Bytes of the storages behind the q, k^T and v that the materialised core's two matmuls save (or only q's
+    and k's). Reshaping a (B, a, s, D) view to (B*a, s, D) copies it, except at B = 1, where the matmuls save
+    views of q, k and v themselves (:func:`_qkv_storages`); the math kernel makes a new scaled q and k^T there
+    and keeps v a view. A 16-bit model's math kernel works on fp32 copies."""
+    e, h, N, ec = _elt(cfg), cfg.d_model, b * cfg.seq_len, _core_elt(cfg)
+    if b > 1 or ec != e:
+        return (2 if without_v else 3) * N * h * ec
+    grouped = cfg.block == "llama" and cfg.kv_heads != cfg.n_head
+    v = N * h * e if grouped else N * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim * e  # a copy, or the qkv output
+    if cfg.attn_impl == "manual":
+        qk = _qkv_storages(cfg, N) - v
+        return qk if without_v else qk + v
+    return 2 * N * h * e + (0 if without_v else v)
+
+
 def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
     """What one block saves for backward without checkpointing, by the module that saves it first (bytes).
 
@@ -113,7 +129,7 @@ def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
     if fused:  # the flash kernel: q, k, v, its output (GPT-2: the out-proj's input too) and the log-sum-exp
         core = _qkv_storages(cfg, N) + N * h * e + 4 * b * a * s
     else:  # q, k^T, v for the two matmuls, the softmax output, (the dropout's output), (the causal mask)
-        core = 3 * N * h * ec + scores * ec * (2 if dropout else 1) + (s * s if cfg.attn_impl == "manual" else 0)
+        core = _matmul_qkv(cfg, b) + scores * ec * (2 if dropout else 1) + (s * s if cfg.attn_impl == "manual" else 0)
     attn_noise = scores * e if dropout and cfg.attn_impl == "manual" else 0  # sdpa's noise is in its core
     terms = {"ln1": norm, "attn.qkv": N * h * e, "attn": core + (scores * ec if dropout and not attn_noise else 0)}
     terms["attn.attn_drop"] = attn_noise
@@ -204,6 +220,23 @@ def optimizer_temporaries(cfg: ModelConfig, optimizer: str, impl: str) -> int:
     return max(prev + 2 * n for prev, n in zip([0] + sizes, sizes)) * _elt(cfg)
 
 
+def _core_transients(cfg: ModelConfig, b: int) -> int:
+    """The peak of a materialised attention core run without saving (a checkpointed forward), beyond q, k, v.
+
+    Manual: the scores, scaled, masked (the inverted mask), softmax: two at a time, or the copies of q and k^T
+    beside the scores (views at batch 1); with dropout three s^2 tensors (its noise). CPU sdpa's math kernel
+    (dropout): an output buffer and a float s x s causal mask beside three s^2 tensors or beside the scores and
+    its scaled q, k^T and v (v a view at batch 1); a 16-bit model's q, k, v cast to fp32 first."""
+    e, s, h, ec, N = _elt(cfg), cfg.seq_len, cfg.d_model, _core_elt(cfg), b * cfg.seq_len
+    S = b * cfg.n_head * s * s * ec
+    if cfg.attn_impl == "sdpa":
+        casts = 3 * N * h * ec if ec != e else 0
+        copies = 3 * N * h * ec if b > 1 or ec != e else 2 * N * h * e
+        return casts + N * h * ec + 4 * s * s + max(copies + S, 3 * S)
+    copies = 2 * N * h * e if b > 1 else 0
+    return max(copies + S, 3 * S if cfg.dropout > 0 else 2 * S + s * s)
+
+
 def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     """Memory above parameters, optimizer state and the batch where forward can peak (bytes).
 
@@ -213,14 +246,12 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
       hidden (GELU's input and output; SwiGLU's silu, up and their product); the block's input too where the
       segment does not keep it (the segment's loop still holds it). Under "selective" at the MLP's out-projection
       (GPT-2: GELU's output beside the kept fc output; Llama: silu's and the product beside the kept gate and up);
-    * ``"last core"`` (full, every_k; materialised attention): the first norm's output (the attention's argument),
-      the qkv output, and the core's scores twice (a product and the next op's output; with dropout three: its
-      noise too; without, the inverted causal mask), or the copies of q and k^T beside the scores. CPU sdpa's math
-      kernel (dropout) keeps an output buffer and a float s x s causal mask beside three of them (or beside the
-      scores and its copies of q, k, v).
+    * ``"last core"`` (full, every_k, attention; materialised attention): the first norm's output (the
+      attention's argument), q, k, v and the core's transients (:func:`_core_transients`); under "attention" the
+      block has saved its first half.
     """
-    e, s, h, a, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.vocab_size
-    N, F, llama, ec = b * s, cfg.mlp_ratio * h, cfg.block == "llama", _core_elt(cfg)
+    e, s, h, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.vocab_size
+    N, F, llama = b * s, cfg.mlp_ratio * h, cfg.block == "llama"
     A = activation_bytes(cfg, b)
     moments = {"loss": A + N * V * e + (N * V * 4 if e != 4 else 0) + 4}
     before = A - head_activation_bytes(cfg, b)  # embeddings and blocks
@@ -228,13 +259,10 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         held = N * h * e if _segments(cfg)[-1] > 1 else 0  # the last block's input, not a segment's
         moments["last MLP"] = before + held + 2 * N * h * e + (3 if llama else 2) * N * F * e
         if cfg.attn_impl == "manual" or cfg.dropout > 0:
-            S, qkv = b * a * s * s * ec, _qkv_storages(cfg, N)
-            if cfg.attn_impl == "sdpa":  # the math kernel: an output buffer, the float causal mask (fp32 q, k, v),
-                # then the scaled q, k^T and v copies beside the scores, or three s^2 tensors
-                core = N * h * ec + 4 * s * s + max(3 * N * h * ec + S, 3 * S) + (3 * N * h * ec if ec != e else 0)
-            else:  # scores, scaled scores, masked scores (the mask), softmax: two at a time; dropout: three
-                core = max(2 * N * h * e + S, 3 * S if cfg.dropout > 0 else 2 * S + s * s)
-            moments["last core"] = before + held + N * h * e + qkv + core
+            moments["last core"] = before + held + N * h * e + _qkv_storages(cfg, N) + _core_transients(cfg, b)
+    elif cfg.checkpoint == "attention" and (cfg.attn_impl == "manual" or cfg.dropout > 0):
+        later = sum(v for k, v in block_terms(cfg, b).items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.r")))
+        moments["last core"] = before - later + _core_transients(cfg, b)  # q, k, v kept, the rest not made yet
     elif cfg.checkpoint == "selective":
         moments["last MLP"] = before + (N * h * e + 2 * N * F * e if llama else 2 * N * h * e + N * F * e)
     return moments
@@ -268,7 +296,7 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         mlp_bwd -= N * h * e * (llama + (cfg.checkpoint == "selective"))
         if not llama and cfg.checkpoint in ("selective", "full", "every_k"):
             mlp_bwd -= h * e  # a recomputed block peaks at the out-projection before its bias gradient
-    moments = {"head": activation_bytes(cfg, b) + 2 * N * V * 4}
+    moments = {"head": activation_bytes(cfg, b) - 4 + 2 * N * V * 4}  # the loss's 4-byte total weight freed
     none = layer_activation_bytes(cfg, b, "none")
     if cfg.checkpoint in ("full", "every_k"):
         segs = _segments(cfg)
@@ -285,13 +313,17 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
             grads = head_grads + block_parameter_bytes(cfg) - _qkv_ln1_params(cfg)  # all but qkv's and ln1's
             ec, dropout = _core_elt(cfg), cfg.dropout > 0
             scores = b * a * s * s * ec
-            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too
-                recomputed = terms["attn"] + terms["attn.attn_drop"]
+            v_saved = _matmul_qkv(cfg, b) - _matmul_qkv(cfg, b, without_v=True)
+            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too (at batch 1 views
+                # of the kept q, k, v: the manual core's three, the math kernel's v)
+                kept = 0 if b > 1 or ec != e else _qkv_storages(cfg, N) if cfg.attn_impl == "manual" else v_saved
+                recomputed = terms["attn"] + terms["attn.attn_drop"] - kept
             # the residual's gradient and y's (copied to (B, a, s, D)), with dropout the out-proj input's too
             # ("selective": the kept out-proj output gone, as above); then the gradient of the scores and, without
-            # dropout, the softmax's too, v's copy freed (with dropout the noise and its output go first)
+            # dropout, the softmax's too, v's storage freed (with dropout the noise and its output go first)
             grad_paths = 2 + (dropout and cfg.checkpoint != "selective")
-            core_bwd = grad_paths * N * h * e + scores + (0 if dropout else scores - N * h * ec)
+            shared = b == 1 and cfg.attn_impl == "manual" and not llama  # GPT-2's q and k views hold v's storage
+            core_bwd = grad_paths * N * h * e + scores + (0 if dropout else scores - (0 if shared else v_saved))
             moments["last core"] = acts + recomputed - mlp_done + grads + core_bwd
     grad_out = N * h * e
     moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)
@@ -341,13 +373,13 @@ def estimate_step(
     O = optimizer_state_bytes(cfg, optimizer)  # noqa: E741
     batch = 2 * N * 8  # the inputs and the targets, int64
     A = activation_bytes(cfg, b)
-    backward = max(backward_moments(cfg, b).values())
+    backward = 8 + max(backward_moments(cfg, b).values())  # + the loss and the gradient backward starts from
     temps = optimizer_temporaries(cfg, optimizer, impl)
     peaks = {}
     for step, state in ((1, 0), (2, O)):
         peaks[(step, "forward")] = P + state + batch + max(forward_moments(cfg, b).values())
         peaks[(step, "backward")] = P + state + batch + backward
-        peaks[(step, "optimizer")] = P + G + O + batch + temps
+        peaks[(step, "optimizer")] = P + G + O + batch + 4 + temps  # the loss is let go after zero_grad
     return StepEstimate(P, G, O, A, peaks)
 
 

@@ -1,6 +1,6 @@
 """Predict, then measure: the closed form against the dry run on a sweep, and dry-run time and memory at scale.
 
-    python benchmarks/prediction_errors.py            # the error table (60 configs) and the three big dry runs
+    python benchmarks/prediction_errors.py            # the error table (63 configs) and the three big dry runs
     python benchmarks/prediction_errors.py --quick    # the first 8 configs
 
 The dry run equals the tracker's measurement byte for byte (tests/test_dryrun.py), so it is the measurement
@@ -90,6 +90,10 @@ SWEEP = [
     (dict(d_model=192, n_head=3, checkpoint="selective", dropout=0.1, attn_impl="sdpa"), "adamw", True, None, 8),
     (dict(dtype="bfloat16", dropout=0.1, attn_impl="sdpa"), "momentum", None, True, 8),
     (dict(seq_len=256, dropout=0.1), "sgd", None, None, 4),
+    # batch 1: the attention matmuls save views of q, k, v instead of copies
+    (dict(seq_len=512, block="llama"), "adamw", None, None, 1),
+    (dict(seq_len=512, dropout=0.1, checkpoint="full"), "sgd", None, None, 1),
+    (dict(seq_len=512, dropout=0.1, attn_impl="sdpa", checkpoint="attention"), "momentum", None, None, 1),
 ]
 
 #: Big shapes for the laptop claim: (name, config, micro-batch). Optimizer: AdamW, foreach (CUDA's default).
