@@ -5,8 +5,14 @@ code (model.py) and torch's kernels: what autograd saves per layer, what a check
 optimizer allocates. Notation as in ``formulas``: ``N = b*s`` tokens, ``h`` hidden size, ``F = r*h`` the MLP width,
 ``a`` heads, ``V`` vocabulary, ``e`` bytes per element of the model's dtype. Bytes everywhere.
 
-It is checked against the dry run (which equals the measurement byte for byte) by tests/test_estimate.py and
-benchmarks/prediction_errors.py; beside it, :func:`textbook_estimates` gives what the usual rules of thumb say.
+A phase's peak is the largest of a few named moments (:func:`forward_moments`, :func:`backward_moments`): the
+loss, the last block's MLP and attention core (forward inside a checkpointed block; backward as the gradients
+arrive), a recomputed segment, and the embedding, where a tied embedding's gradient meets the LM head's.
+The per-block terms are what each module saves on CPU (:func:`block_terms`). Checked against what a real forward
+saved (saved.py) and against the dry run (which equals the measurement byte for byte) by tests/test_estimate.py;
+benchmarks/prediction_errors.py prints the error table of its sweep (step peaks equal to the byte). Autocast and
+gradient accumulation are not modelled (:func:`estimate_step` refuses them). Beside it,
+:func:`textbook_estimates` gives what the usual rules of thumb say.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ IMPLEMENTATIONS = ("single", "foreach", "fused")  # torch's optimizer implementa
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """Predicted peaks (bytes) of each phase of step 1 and of a later step, and the model states behind them."""
+    """Predicted peaks (bytes) of each phase of step 1 and of a later step, and the model states behind them.
+
+    Step 1's optimizer phase reads up to 4 bytes per parameter tensor high: its measured peak comes before Adam's
+    4-byte ``step`` counters are counted."""
 
     parameters: int
     gradients: int

@@ -65,7 +65,11 @@ def measured_block_terms(changes: dict, b: int, layer: int = 1) -> dict[str, int
     return out
 
 
-@pytest.mark.parametrize("changes, b", TERM_CASES)
+def _id(changes: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in changes.items()) or "gpt2"
+
+
+@pytest.mark.parametrize("changes, b", TERM_CASES, ids=[f"{_id(c)} b={b}" for c, b in TERM_CASES])
 def test_each_block_term_equals_what_its_module_saved(changes, b):
     predicted = {k: v for k, v in block_terms(ModelConfig(**{**SMALL, **changes}), b).items() if v}
     assert predicted == measured_block_terms(changes, b)
@@ -102,7 +106,7 @@ POLICY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("changes", POLICY_CASES, ids=lambda c: " ".join(f"{k}={v}" for k, v in c.items()) or "none")
+@pytest.mark.parametrize("changes", POLICY_CASES, ids=_id)
 def test_bytes_per_block_and_per_forward_under_each_policy(changes):
     cfg = ModelConfig(**{**SMALL, **changes, "n_layer": 3})
     three = forward_activations(changes, 3)
@@ -130,7 +134,11 @@ STEP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("changes, optimizer, foreach, fused, batch, moment", STEP_CASES)
+@pytest.mark.parametrize(
+    "changes, optimizer, foreach, fused, batch, moment",
+    STEP_CASES,
+    ids=[f"{_id(c)} {o} {impl_of(fe, fu)} b={b}" for c, o, fe, fu, b, _ in STEP_CASES],
+)
 def test_phase_peaks_equal_the_dry_run(changes, optimizer, foreach, fused, batch, moment):
     cfg = ModelConfig(**{**SMALL, **changes})
     trace = dry_run_config(cfg, optimizer=optimizer, foreach=foreach, fused=fused, batch_size=batch, steps=2)
