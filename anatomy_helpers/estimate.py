@@ -94,9 +94,7 @@ def _qkv_storages(cfg: ModelConfig, N: int) -> int:
     (3Nh). Llama: q and k are rotary outputs; with grouped-query attention k and v are ``repeat_interleave``
     copies (Nh each), without it v is a view of the whole qkv output."""
     e, h, D = _elt(cfg), cfg.d_model, cfg.head_dim
-    if cfg.block != "llama":
-        return 3 * N * h * e
-    if cfg.kv_heads != cfg.n_head:
+    if cfg.block != "llama" or cfg.kv_heads != cfg.n_head:
         return 3 * N * h * e
     return 2 * N * h * e + N * (cfg.n_head + 2 * cfg.kv_heads) * D * e
 
@@ -126,9 +124,10 @@ def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
     * a norm keeps its input and mean and rstd (LayerNorm: N each, in the model's dtype on CPU) or its input,
       the normalised input and the rms (RMSNorm); each Linear keeps its input; GELU its input; SwiGLU gate, silu,
       up;
-    * the manual core keeps copies of q, k^T and v for the two matmuls (3Nh), the softmax output and the inverted
-      causal mask ``~mask`` (s x s bool); sdpa keeps q, k, v (:func:`_qkv_storages`), its output and the fp32
-      log-sum-exp. With dropout CPU sdpa runs the math kernel, which keeps what the manual core does but no mask.
+    * the manual core keeps copies of q, k^T and v for the two matmuls (3Nh; at batch 1 views, :func:`_matmul_qkv`),
+      the softmax output and the inverted causal mask ``~mask`` (s x s bool); sdpa keeps q, k, v
+      (:func:`_qkv_storages`), its output and the fp32 log-sum-exp. With dropout CPU sdpa runs the math kernel,
+      which keeps what the manual core does but no mask.
     * dropout on CPU keeps its noise in the model's dtype; the attention dropout's output is saved by att @ v.
     """
     e, s, h, a, F = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.mlp_ratio * cfg.d_model
