@@ -11,10 +11,13 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ..distributed import STRATEGIES, RankJob, RankResult
 from ..plots import CourseFigure, plot_timeline
 from ..tables import Col, format_table
 from ..trace import Trace
+from ..tracker import StepTracker
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
 from ..world import format_rank_table, rank_rows, run_world, zero_model_states
@@ -118,8 +121,46 @@ class PrecisionRow:
     gradients: float
     optimizer_state: float
     activations: int  # the most activation bytes alive in step 2
-    weight_copies: int  # bf16 copies of weights autograd saved (autocast's cached casts), distinct storages
+    weight_copies: int  # step 2's saved tensors that are casts of a parameter (autocast's cached copies), distinct
     saved_16bit: float  # fraction of the saved activation bytes that are 16-bit
+
+
+class _ParameterCasts(TorchDispatchMode):
+    """Notes the output of every ``aten._to_copy`` whose input lives in a parameter's storage (entered inside the
+    tracker's own mode, so it sees the op first and the tracker has registered the copy when it returns)."""
+
+    def __init__(self, tracker: CastTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tracker = self.tracker
+        if func is torch.ops.aten._to_copy.default and tracker._active:
+            source = args[0]  # a view or transpose of a weight shares the weight's storage
+            if source.untyped_storage()._cdata in tracker._param_storages:
+                aid = tracker._aid(out, new=False)
+                if aid is not None:
+                    tracker.parameter_casts.add(aid)
+        return out
+
+
+class CastTracker(StepTracker):
+    """A StepTracker that also knows which storages are casts of a parameter (by provenance: made by
+    ``aten._to_copy`` from a parameter's storage, as autocast's weight cache does), in :attr:`parameter_casts`
+    (allocation ids, as in ``Trace.saved``). Views and transposes of a cast share its storage, so they count too."""
+
+    def __init__(self, model, optimizer, **kwargs):
+        super().__init__(model, optimizer, **kwargs)
+        self.parameter_casts: set[int] = set()
+        self._param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+
+    def __enter__(self) -> CastTracker:
+        super().__enter__()
+        mode = _ParameterCasts(self)
+        mode.__enter__()
+        self._undo.append(lambda: mode.__exit__(None, None, None))
+        return self
 
 
 def precision_table(batch_size: int = GLOBAL_BATCH, device=None, **config) -> list[PrecisionRow]:
@@ -129,16 +170,17 @@ def precision_table(batch_size: int = GLOBAL_BATCH, device=None, **config) -> li
     for name, setup in PRECISIONS.items():
         model = make_model(device=device, **config, **({"dtype": setup["dtype"]} if "dtype" in setup else {}))
         n = sum(p.numel() for p in model.parameters())
-        shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+        optimizer = make_optimizer(model, "adamw")
+        tracker = CastTracker(model, optimizer)
         trace = track_steps(
-            model, make_optimizer(model, "adamw"), steps=2, batch_size=batch_size, autocast=setup.get("autocast")
+            model, optimizer, steps=2, batch_size=batch_size, autocast=setup.get("autocast"), tracker=tracker
         )
         before = trace.at(trace.phase(2, "optimizer").start - 1)
         saved = [s for s in trace.saved if s.step == 2 and s.category == "activations"]
-        copies = {s.storage: s.storage_bytes for s in saved if s.dtype == torch.bfloat16 and tuple(s.shape) in shapes}
         distinct = {s.storage: s for s in saved}
         total = sum(s.storage_bytes for s in distinct.values())
         low = sum(s.storage_bytes for s in distinct.values() if s.dtype in (torch.bfloat16, torch.float16))
+        copies = sum(s.storage_bytes for aid, s in distinct.items() if aid in tracker.parameter_casts)
         rows.append(
             PrecisionRow(
                 setup=name,
@@ -146,7 +188,7 @@ def precision_table(batch_size: int = GLOBAL_BATCH, device=None, **config) -> li
                 gradients=before["gradients"] / n,
                 optimizer_state=before["optimizer_state"] / n,
                 activations=int(trace.timeline.category("activations")[trace.window(step=2)].max()),
-                weight_copies=sum(copies.values()),
+                weight_copies=copies,
                 saved_16bit=low / total if total else 0.0,
             )
         )
