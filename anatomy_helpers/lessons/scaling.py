@@ -10,7 +10,6 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..distributed import STRATEGIES, RankJob, RankResult
