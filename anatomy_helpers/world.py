@@ -1,8 +1,9 @@
 """Running a world of ranks from a notebook or a test, and reading what the ranks sent back.
 
 :func:`run_world` starts ``world_size`` local processes, each running ``python -m anatomy_helpers.distributed``
-(a free port on 127.0.0.1, a clear error naming the rank that failed, every process killed on the way out), and
-returns each rank's :class:`~anatomy_helpers.distributed.RankResult`. :func:`rank_rows` and
+(a free port on 127.0.0.1, arguments checked before anything starts, a clear error naming the rank that failed or
+hung, every process killed on the way out, and ranks that end themselves if this process dies), and returns each
+rank's :class:`~anatomy_helpers.distributed.RankResult`; :func:`worker_main` is the rank's side. :func:`rank_rows` and
 :func:`format_rank_table` set each rank's measured model states beside the ZeRO paper's formulas
 (:func:`zero_model_states`). Bytes unless a name says otherwise.
 """
@@ -328,8 +329,9 @@ def _note(tmp: str, rank: str, kind: str, text: str) -> None:
 def zero_model_states(
     strategy: str, n_params: int, world_size: int, *, param_bytes: int = 4, grad_bytes: int = 4, state_bytes: int = 8
 ) -> dict[str, float]:
-    """Model states per rank by the ZeRO paper's formulas (bytes): DP holds everything; ZeRO-1 divides the optimizer
-    state by N, ZeRO-2 also the gradients, ZeRO-3 also the parameters. Defaults: fp32 AdamW (4 + 4 + 8 bytes)."""
+    """Model states per rank by the ZeRO paper's stages (bytes): DP holds everything; ZeRO-1 divides the optimizer
+    state by N, ZeRO-2 also the gradients, ZeRO-3 also the parameters. The paper's 16 bytes per parameter are
+    mixed-precision Adam (2 + 2 + 12); the defaults here are the course's own split for fp32 AdamW (4 + 4 + 8)."""
     stage = ZERO_STAGE[strategy]
     n = world_size
     return {

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed import STRATEGIES, RankJob, RankResult
+from ..distributed import STRATEGIES, Collective, RankJob, RankResult
 from ..plots import CourseFigure, plot_timeline
 from ..tables import Col, format_table
 from ..trace import Trace
@@ -301,17 +301,27 @@ def scaling_panel(strategy: str = "fsdp2_zero3", world_size: int = 2, micro_batc
 
 @dataclass(frozen=True)
 class FormulaGap:
-    """Why one rank's measured model states differ from the ZeRO formulas (bytes, measured minus formula)."""
+    """Why one rank's measured model states differ from the ZeRO formulas (bytes, measured minus formula).
+
+    ``parameters == buffers + split + padding + at_rest`` and ``optimizer_state == step_counts + moments`` hold to
+    the byte (:func:`formula_gaps` checks it)."""
 
     strategy: str
     rank: int
     parameters: int  # measured minus formula
     buffers: int  # tensors the model registers besides parameters (the causal mask), counted with parameters
-    padding: int  # FSDP pads each parameter's dim 0 to a multiple of the world size before sharding
+    split: int  # this rank's shard minus an even 1/N share: FSDP cuts each parameter's dim 0 in whole rows
+    padding: int  # FSDP pads each parameter's dim 0 to a multiple of N: the last rank's short shard is padded
+    at_rest: int  # ZeRO-2's formula keeps whole parameters; FSDP2's ZeRO-2-like mode keeps only its shard at rest
     optimizer_state: int  # measured minus formula
+    optimizer_formula: int  # the formula's optimizer state for this rank (for the relative gap)
     step_counts: int  # AdamW's "step" (a scalar tensor per parameter) on every rank holding state for it
-    moments_vs_share: int  # this rank's exp_avg + exp_avg_sq minus the formula's share (uneven split, padding)
+    moments: int  # this rank's exp_avg + exp_avg_sq minus the formula's share (how the parameters were split)
     communication_peak: int  # the most bucket / all-gather / reduce-scatter memory alive at once (no formula term)
+
+    @property
+    def optimizer_relative(self) -> float:
+        return self.optimizer_state / self.optimizer_formula
 
 
 def formula_gaps(results: dict[str, list[RankResult]], buffers: int) -> list[FormulaGap]:
@@ -319,21 +329,29 @@ def formula_gaps(results: dict[str, list[RankResult]], buffers: int) -> list[For
     out = []
     for ranks in results.values():
         for r in ranks:
-            formula = zero_model_states(r.strategy, r.n_params, r.world_size)
+            formula = {k: int(v) for k, v in zero_model_states(r.strategy, r.n_params, r.world_size).items()}
+            sharded = r.torch_param_numel_bytes < 4 * r.n_params  # FSDP2 in either mode
+            share = int(zero_model_states("fsdp2_zero3", r.n_params, r.world_size)["parameters"])
             steps = r.torch_state_by_key.get("step", 0)
-            out.append(
-                FormulaGap(
-                    strategy=r.strategy,
-                    rank=r.rank,
-                    parameters=r.model_states["parameters"] - int(formula["parameters"]),
-                    buffers=buffers,
-                    padding=r.torch_param_bytes - r.torch_param_numel_bytes,
-                    optimizer_state=r.model_states["optimizer_state"] - int(formula["optimizer_state"]),
-                    step_counts=steps,
-                    moments_vs_share=r.torch_state_bytes - steps - int(formula["optimizer_state"]),
-                    communication_peak=int(r.trace.timeline.category("communication").max()),
-                )
+            gap = FormulaGap(
+                strategy=r.strategy,
+                rank=r.rank,
+                parameters=r.model_states["parameters"] - formula["parameters"],
+                buffers=buffers,
+                split=r.torch_param_numel_bytes - share if sharded else 0,
+                padding=r.torch_param_bytes - r.torch_param_numel_bytes,
+                at_rest=share - formula["parameters"] if sharded else 0,
+                optimizer_state=r.model_states["optimizer_state"] - formula["optimizer_state"],
+                optimizer_formula=formula["optimizer_state"],
+                step_counts=steps,
+                moments=r.torch_state_bytes - steps - formula["optimizer_state"],
+                communication_peak=int(r.trace.timeline.category("communication").max()),
             )
+            if gap.parameters != gap.buffers + gap.split + gap.padding + gap.at_rest or (
+                gap.optimizer_state != gap.step_counts + gap.moments
+            ):
+                raise AssertionError(f"the terms do not add up to the measured gap: {gap}")
+            out.append(gap)
     return out
 
 
@@ -341,12 +359,15 @@ def format_formula_gaps(gaps: list[FormulaGap]) -> str:
     cols = [
         Col("strategy", 15, align="<"),
         Col("rank", 4, "d"),
-        Col("params", 8, "+,d"),
-        Col("buffers", 7, ",d"),
-        Col("padding", 7, ",d"),
+        Col("params", 10, "+,d"),
+        Col("=buffers", 8, ",d"),
+        Col("+split", 6, "+,d"),
+        Col("+padding", 8, ",d"),
+        Col("+at rest", 10, "+,d"),
         Col("opt state", 9, "+,d"),
-        Col("steps", 5, ",d"),
-        Col("moments", 8, "+,d"),
+        Col("(%)", 6, "+.1%"),
+        Col("=steps", 6, ",d"),
+        Col("+moments", 8, "+,d"),
         Col("comm peak", 10, ",d"),
     ]
     rows = [
@@ -355,12 +376,25 @@ def format_formula_gaps(gaps: list[FormulaGap]) -> str:
             g.rank,
             g.parameters,
             g.buffers,
+            g.split,
             g.padding,
+            g.at_rest,
             g.optimizer_state,
+            g.optimizer_relative,
             g.step_counts,
-            g.moments_vs_share,
+            g.moments,
             g.communication_peak,
         ]
         for g in gaps
     ]
-    return format_table(cols, rows, note="(bytes: measured minus formula, and what makes up the difference)")
+    return format_table(cols, rows, note="(bytes: measured minus formula, and the terms that make it up)")
+
+
+def communication_at_peak(result: RankResult) -> tuple[int, list[int], Collective]:
+    """(timeline index of the rank's communication peak, the communication storages alive there largest first,
+    the last collective issued before it)."""
+    timeline = result.trace.timeline.category("communication")
+    index = int(np.argmax(timeline))
+    alive = sorted((a.bytes for a in result.trace.live_allocations(index, "communication")), reverse=True)
+    last = [c for c in result.collectives if c.index <= index][-1]
+    return index, alive, last
