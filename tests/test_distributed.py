@@ -136,3 +136,39 @@ def test_torchrun_runs_the_same_entry_point_and_rank_0_prints_every_rank(tmp_pat
 def test_nccl_reports_max_memory_allocated_per_rank():
     world = run_world(RankJob("fsdp2_zero3", model=SMALL), 2, backend="nccl")
     assert all(r.max_memory_allocated > 0 for r in world["fsdp2_zero3"])
+
+
+# ---- notebook 08's gap table and communication peak -----------------------------------------------------------
+
+
+def test_formula_gaps_are_made_of_the_split_padding_and_step_counts(world, reference):
+    from anatomy_helpers.lessons.scaling import formula_gaps
+
+    params, buffers = reference
+    model = make_model(device="cpu", **SMALL)
+    row = model.cfg.d_model * 4
+    short = -model.cfg.vocab_size % WORLD  # rows the last rank's embedding shard is short of the others
+    for g in formula_gaps(world, buffers):  # formula_gaps itself checks that the terms add up to the gap
+        if g.strategy.startswith("fsdp2"):
+            rows = -(-model.cfg.vocab_size // WORLD) - (short if g.rank == WORLD - 1 else 0)  # ceil, then short
+            assert g.split == rows * row - model.cfg.vocab_size * row // WORLD
+            assert g.padding == (short * row if g.rank == WORLD - 1 else 0)
+            assert g.moments == 2 * g.split  # exp_avg and exp_avg_sq of the unpadded shard
+            assert g.at_rest == (params // WORLD - params if g.strategy == "fsdp2_zero2" else 0)
+        else:
+            assert g.split == g.padding == g.at_rest == 0
+        assert g.step_counts == world[g.strategy][g.rank].torch_state_by_key["step"]
+
+
+def test_zero2_communication_peak_is_the_unsharded_model_and_two_flat_buffers(world, reference):
+    from anatomy_helpers.lessons.scaling import communication_at_peak
+
+    params, _ = reference
+    model = make_model(device="cpu", **SMALL)
+    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    padded = params + (-model.cfg.vocab_size % WORLD) * model.cfg.d_model * 4
+    for r in world["fsdp2_zero2"]:
+        _, alive, last = communication_at_peak(r)
+        assert alive[:2] == [block, block] and sum(alive) == padded + 2 * block
+        gathers = [c for c in r.collectives if "allgather" in c.op]
+        assert last == gathers[model.cfg.n_layer] and last.phase == "forward"  # the last block's, in forward

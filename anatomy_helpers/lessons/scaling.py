@@ -365,7 +365,7 @@ def format_formula_gaps(gaps: list[FormulaGap]) -> str:
         Col("+padding", 8, ",d"),
         Col("+at rest", 10, "+,d"),
         Col("opt state", 9, "+,d"),
-        Col("(%)", 6, "+.1%"),
+        Col("(%)", 7, "+.2%"),
         Col("=steps", 6, ",d"),
         Col("+moments", 8, "+,d"),
         Col("comm peak", 10, ",d"),
