@@ -53,7 +53,7 @@ def test_a_failing_rank_is_named_with_how_it_failed_and_no_process_is_left(fault
 def test_a_time_out_names_the_rank_that_hung_not_the_one_waiting_for_it():
     # long enough for both ranks to start (importing torch) and rank 0 to wait in its first barrier
     with pytest.raises(RankFailed, match=r"timed out.*rank\(s\) \[1\] hung") as info:
-        run_world(RankJob("ddp", model=SMALL, fault="hang", fault_rank=1), WORLD, timeout_s=10)
+        run_world(RankJob("ddp", model=SMALL, fault="hang", fault_rank=1), WORLD, timeout_s=12)
     assert info.value.rank == 1
     assert "in _fail" in str(info.value)  # its stack: where it hung
     assert all(_gone(pid) for pid in info.value.pids)
