@@ -126,6 +126,7 @@ def _children(pid: int) -> list[int]:
 def test_ranks_end_with_their_parent_and_remove_the_world_folder(sig, tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
     parent = subprocess.Popen([sys.executable, "-c", _PARENT.format(model=SMALL)], env=env)
+    ranks: list[int] = []
     try:
         deadline = time.monotonic() + 60
         while not any(p.name.endswith(".stack") for d in tmp_path.glob("anatomy_world_*") for p in d.iterdir()):
@@ -140,7 +141,10 @@ def test_ranks_end_with_their_parent_and_remove_the_world_folder(sig, tmp_path):
             time.sleep(0.05)
         assert all(_gone(r) for r in ranks), "a rank outlived its parent"
         assert list(tmp_path.iterdir()) == [], "the world's folder was left behind"
-    finally:
+    finally:  # whatever failed, leave no process behind
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+        for r in ranks:
+            if not _gone(r):
+                os.kill(r, signal.SIGKILL)
