@@ -216,3 +216,20 @@ def test_plot_and_panel(capsys):
     assert isinstance(fig, Figure) and "MiB" in ax.get_ylabel() and ax.get_title()
     assert isinstance(fit_panel(batch_size=1), Figure)
     assert "usable on T4" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+def test_this_gpu_reads_the_real_device_and_a_known_one_matches_its_table_entry():
+    """On a GPU (scripts/gpu_check.py): "this GPU" is what the driver says, and where the GPU is one of DEVICES,
+    the table's MiB total is within 1 % of mem_get_info's (the table is nvidia-smi's figure)."""
+    from anatomy_helpers.devices import DEVICES, this_gpu
+
+    dev = this_gpu()
+    free, total = torch.cuda.mem_get_info()
+    assert dev.total == total and 0 < dev.usable < total and dev.capability == torch.cuda.get_device_capability()
+    print(f"this GPU: {dev.name}, {total / 2**20:,.0f} MiB, context {dev.context / 2**20:,.0f} MiB")
+    same_kind = [e for e in DEVICES.values() if e.name.split()[0] in dev.name]  # "A100" has two sizes
+    if same_kind:
+        print("table:", ", ".join(f"{e.name} {e.total / 2**20:,.0f} MiB" for e in same_kind))
+        assert any(abs(e.total - total) <= 0.01 * total and e.capability == dev.capability for e in same_kind)
