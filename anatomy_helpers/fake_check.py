@@ -64,7 +64,9 @@ def _arg_key(a):
         return frozenset(_arg_key(x) for x in a)
     if isinstance(a, (int, float)) and not isinstance(a, bool):
         return type(a)  # sizes, dims, scales, learning rates: they change with the model, not the rule
-    return a  # bool, None, str, dtype, device, layout, memory format
+    if a is None or isinstance(a, (bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return a
+    return type(a)  # an object (the profiler's handle): its type
 
 
 def signature(func, args, kwargs) -> tuple:
@@ -148,21 +150,10 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        key = signature(func, args, kwargs)
-        if key not in _PASSED:
-            self._note(key, func, args, kwargs, out)
-        return out
-
-    def _note(self, key, func, args, kwargs, out) -> None:
+        key = signature(func, args, kwargs)  # before the call: an in-place op may change its inputs' layout
+        if key in _PASSED:
+            return func(*args, **kwargs)
         flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        flat_out = tree_flatten(out)[0]
-        sizes = {_storage_id(t): t.untyped_storage().nbytes() for t in flat_in}
-        sizes.update({_storage_id(t): t.untyped_storage().nbytes() for t in flat_out if isinstance(t, torch.Tensor)})
-        nbytes = sum(sizes.values())
-        known = self.calls.get(key)
-        if known is not None and known.nbytes <= nbytes:
-            return
         index: dict[int, int] = {}
 
         def meta(a):
@@ -175,8 +166,19 @@ class OpRecorder(TorchDispatchMode):
             )  # fmt: skip
 
         margs, mkwargs = tree_map(meta, (tuple(args), dict(kwargs)))
-        where = known.where if known is not None else _where()  # where the op was first seen
-        self.calls[key] = OpCall(func, margs, mkwargs, _outcome(flat_in, flat_out), nbytes, where, key[1])
+        out = func(*args, **kwargs)
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not flat_in and not flat_out:  # no tensor in or out (the profiler's record_function ops)
+            _PASSED.add(key)
+            return out
+        sizes = {_storage_id(t): t.untyped_storage().nbytes() for t in flat_in + flat_out}
+        nbytes = sum(sizes.values())
+        known = self.calls.get(key)
+        if known is None or nbytes < known.nbytes:
+            where = known.where if known is not None else _where()  # where the op was first seen
+            outcome = _outcome(flat_in, tree_flatten(out)[0])
+            self.calls[key] = OpCall(func, margs, mkwargs, outcome, nbytes, where, key[1])
+        return out
 
 
 def _real_call(call: OpCall):
