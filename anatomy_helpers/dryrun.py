@@ -8,9 +8,15 @@ does, and every table and plot of the course works on it, for models far larger 
 
 How the model is made without memory: the model factory runs under ``torch.device("meta")`` (parameters with a
 shape and no storage), then :func:`fake_module` swaps every parameter and buffer for a fake tensor on the target
-device, keeping shared (tied) tensors shared.
+device, keeping shared (tied) tensors and shared storages shared.
 
-What a dry run cannot see is :data:`KERNEL_SCRATCH_RULE`.
+Exact or refused. The sizes come from each op's fake kernel, a shape function written apart from the real kernel,
+and the two can differ (oneDNN's LSTM layer saves a workspace its fake kernel leaves empty). So every dry run
+records its ops, and each op signature not yet seen in this process is run once for real at the smallest shape
+the run used (a large ``dry_run_config`` configuration: on a small twin) and compared output by output
+(fake_check.py says how and what that cannot see). An op whose fake kernel differs gets a :class:`DryRunError`
+naming it and the module it ran in; no correction is guessed. What a dry run that returns still cannot see is
+:data:`KERNEL_SCRATCH_RULE`.
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ from .trace import Trace
 from .tracker import StepTracker
 from .train import make_optimizer
 
-#: The rule for the one category a dry run cannot measure.
+#: What a dry run guarantees, and the one category it cannot measure.
 KERNEL_SCRATCH_RULE = (
-    "A dry run sees every storage an op returns, autograd saves or a policy keeps, so it is exact for every "
-    "category but kernel scratch: memory a kernel allocates and frees inside one op. Fake tensors run no kernels, "
-    "so the trace says kernel_scratch_recorded=False and that category reads 0 because it is unknown. It is "
-    "compared with a real run measured with StepTracker(..., kernel_scratch=False); on CPU kernel scratch is "
+    "A dry run sees every storage an op returns, autograd saves or a policy keeps. Each op's sizes come from its "
+    "fake kernel, checked once per session against the real kernel of this machine (run at a small shape); an op "
+    "whose fake kernel differs is refused with a DryRunError naming it. So a dry run that returns is exact for "
+    "every category but kernel scratch: memory a kernel allocates and frees inside one op. Fake tensors run no "
+    "kernels, so the trace says kernel_scratch_recorded=False and that category reads 0 because it is unknown. It "
+    "is compared with a real run measured with StepTracker(..., kernel_scratch=False); on CPU kernel scratch is "
     "measured only by real runs (the tracker's default), on CUDA only by the allocator's own counters."
 )
 
