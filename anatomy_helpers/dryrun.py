@@ -34,7 +34,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
-from .fake_check import MAX_CHECK_BYTES, OpRecorder, check_calls, op_checked
+from . import fake_check
+from .fake_check import OpRecorder, check_calls, op_checked
 from .model import GPT, ModelConfig
 from .trace import Trace
 from .tracker import StepTracker
@@ -303,7 +304,7 @@ def _check_ops(calls: dict, what: str, small_twin: Callable[[], dict] | None = N
     if unchecked:
         ops = sorted({str(key[0]) for key in unchecked})
         raise DryRunError(
-            f"a dry run of {what} uses {', '.join(ops)} only at calls over {MAX_CHECK_BYTES / 2**20:.0f} MiB "
+            f"a dry run of {what} uses {', '.join(ops)} only at calls over {fake_check.MAX_CHECK_BYTES / 2**20:g} MiB "
             "(or on a device this machine lacks), too large to check against the real kernel here: dry-run a "
             "smaller instance of the same model first (ops that passed are remembered for the session)"
         )

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .records import PHASES
 
-#: The largest call (bytes of its inputs' and outputs' storages) run for real to check its fake kernel.
+#: The largest call (bytes of its inputs' storages and its outputs' new ones) run for real to check its fake kernel.
 MAX_CHECK_BYTES = 64 * 2**20
 
 # Not kernels: how a constant made by torch.tensor() enters the fake mode. The real run returns the constant
@@ -98,7 +98,7 @@ class OpCall:
     args: tuple
     kwargs: dict
     outcome: tuple  # see _outcome
-    nbytes: int  # bytes of the distinct storages of its inputs and outputs
+    nbytes: int  # bytes of the distinct storages of its inputs (which call of a signature is the smallest)
     where: str  # module and phase of the step it ran in
     grad_enabled: bool
 
@@ -153,32 +153,53 @@ class OpRecorder(TorchDispatchMode):
         key = signature(func, args, kwargs)  # before the call: an in-place op may change its inputs' layout
         if key in _PASSED:
             return func(*args, **kwargs)
-        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        index: dict[int, int] = {}
-
-        def meta(a):
-            if not isinstance(a, torch.Tensor):
-                return a
-            storage = index.setdefault(_storage_id(a), len(index))
-            return TensorMeta(
-                tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.dtype, a.device, storage,
-                a.untyped_storage().nbytes(), a.requires_grad,
-            )  # fmt: skip
-
-        margs, mkwargs = tree_map(meta, (tuple(args), dict(kwargs)))
+        flat_in = _tensors(args, kwargs)
+        known = self.calls.get(key)
+        if known is not None and _nbytes(flat_in) >= known.nbytes:  # not the smallest call: nothing to note
+            return func(*args, **kwargs)
+        margs, mkwargs = _metas(args, kwargs)  # before the call, as the key
         out = func(*args, **kwargs)
-        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not flat_in and not flat_out:  # no tensor in or out (the profiler's record_function ops)
+        flat_out = tree_flatten(out)[0]
+        tensors_out = [t for t in flat_out if isinstance(t, torch.Tensor)]
+        if not flat_in and not tensors_out:  # no tensor in or out (the profiler's record_function ops)
             _PASSED.add(key)
             return out
-        sizes = {_storage_id(t): t.untyped_storage().nbytes() for t in flat_in + flat_out}
-        nbytes = sum(sizes.values())
-        known = self.calls.get(key)
-        if known is None or nbytes < known.nbytes:
-            where = known.where if known is not None else _where()  # where the op was first seen
-            outcome = _outcome(flat_in, tree_flatten(out)[0])
-            self.calls[key] = OpCall(func, margs, mkwargs, outcome, nbytes, where, key[1])
+        where = known.where if known is not None else _where()  # where the op was first seen
+        outcome = _outcome(flat_in, flat_out)
+        self.calls[key] = OpCall(func, margs, mkwargs, outcome, _nbytes(flat_in), where, key[1])
         return out
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (an ATen op's arguments nest one level at most: lists of tensors)."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: how large a call is, to keep the smallest."""
+    return sum({_storage_id(t): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _metas(args, kwargs) -> tuple:
+    """``(args, kwargs)`` with each tensor replaced by its TensorMeta (storages numbered in order of appearance)."""
+    index: dict[int, int] = {}
+
+    def meta(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        storage = index.setdefault(_storage_id(a), len(index))
+        return TensorMeta(
+            tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.dtype, a.device, storage,
+            a.untyped_storage().nbytes(), a.requires_grad,
+        )  # fmt: skip
+
+    return tree_map(meta, (tuple(args), dict(kwargs)))
 
 
 def _real_call(call: OpCall):
@@ -194,7 +215,7 @@ def _real_call(call: OpCall):
         return t.requires_grad_(a.requires_grad)
 
     args, kwargs = tree_map(make, (call.args, call.kwargs))
-    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    inputs = _tensors(args, kwargs)
     devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
     try:
         # As in the step: below autograd (the op itself, not its autograd wrapper), with the grad mode and the
@@ -238,21 +259,23 @@ def op_checked(key: tuple) -> bool:
     return key in _PASSED
 
 
-def check_calls(calls: dict[tuple, OpCall], max_bytes: int = MAX_CHECK_BYTES) -> tuple[dict[tuple, str], list]:
+def check_calls(calls: dict[tuple, OpCall], max_bytes: int | None = None) -> tuple[dict[tuple, str], list]:
     """Run each recorded call once for real (see the module docstring); returns (differences, unchecked).
 
     ``differences``: signature -> a sentence naming the op, where it ran and how its fake kernel differs from
     the real one (the first such op in the order of the run: the check stops there); ``unchecked``: the
     signatures whose smallest call is over ``max_bytes`` (or on a device this machine does not have).
     """
+    max_bytes = MAX_CHECK_BYTES if max_bytes is None else max_bytes
     problems: dict[tuple, str] = {}
     unchecked: list[tuple] = []
     for key, call in calls.items():
         if key in _PASSED:
             continue
         if key not in _FAILED:
-            devices = {a.device for a in tree_flatten((call.args, call.kwargs))[0] if isinstance(a, TensorMeta)}
-            if call.nbytes > max_bytes or any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
+            metas = [a for a in tree_flatten((call.args, call.kwargs))[0] if isinstance(a, TensorMeta)]
+            missing = any(a.device.type == "cuda" for a in metas) and not torch.cuda.is_available()
+            if missing or call.nbytes + _new_bytes(call.outcome) > max_bytes:
                 unchecked.append(key)
                 continue
             real, error = _real_call(call)

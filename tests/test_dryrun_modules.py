@@ -224,13 +224,12 @@ def test_checks_are_remembered_and_leave_the_rng_alone(nothing_checked, monkeypa
 
 def test_ops_too_large_to_check_are_refused_or_checked_on_a_small_twin(nothing_checked, monkeypatch):
     monkeypatch.setattr(fake_check, "MAX_CHECK_BYTES", 1)
-    monkeypatch.setattr(fake_check.check_calls, "__defaults__", (1,))
     with pytest.raises(DryRunError, match=r"uses aten\.\S+.* only at calls over .* dry-run a smaller instance"):
         dry_run(ConvNet, image_batch, class_loss)
-    monkeypatch.setattr(fake_check.check_calls, "__defaults__", (2**20,))
+    monkeypatch.setattr(fake_check, "MAX_CHECK_BYTES", 2**20)
     real_twin = []
     original = fake_check._real_call
     monkeypatch.setattr(fake_check, "_real_call", lambda call: real_twin.append(call.nbytes) or original(call))
-    # every call of this model is over 1 MiB, every call of its twin under: checked there, and passed
+    # the calls over 1 MiB are checked on the small twin (none of its calls is over), or this would raise
     dry_run_config(batch_size=4, **{**SMALL, "d_model": 256, "n_head": 4, "seq_len": 64})
     assert real_twin and max(real_twin) <= 2**20
