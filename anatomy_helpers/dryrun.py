@@ -93,9 +93,9 @@ def fake_module(model: nn.Module, mode: FakeTensorMode, device: str | torch.devi
     for name, module in model.named_modules():
         for attr, value in list(vars(module).items()):
             if attr not in ("_parameters", "_buffers", "_modules"):
-                setattr_value = _swap_cached(value, new, f"{name or type(model).__name__}.{attr}")
-                if setattr_value is not value:
-                    module.__dict__[attr] = setattr_value
+                swapped = _swap_cached(value, new, f"{name or type(model).__name__}.{attr}")
+                if swapped is not value:
+                    module.__dict__[attr] = swapped
     return model
 
 

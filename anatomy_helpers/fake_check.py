@@ -111,7 +111,7 @@ def _outcome(inputs: list[torch.Tensor], outputs: list) -> tuple:
     """What a dry run takes from an op: each output's layout, which storage it is (one of the inputs', another
     output's or a new one) and that storage's bytes; the inputs' storage bytes after the op (resize_); and how
     many distinct storages the inputs have (outputs' storage numbers from there on are new).
-    Strides of dimensions of size 1 are left out: they address nothing."""
+    Strides of dimensions of size 1, and all strides of an empty tensor, are left out: they address nothing."""
     index: dict[int, int] = {}
     for t in inputs:
         index.setdefault(_storage_id(t), len(index))
@@ -122,7 +122,7 @@ def _outcome(inputs: list[torch.Tensor], outputs: list) -> tuple:
         if not isinstance(o, torch.Tensor):
             outs.append(None if o is None else type(o).__name__)
             continue
-        strides = tuple(s if n > 1 else None for s, n in zip(o.stride(), o.shape))
+        strides = tuple(s if n > 1 and o.numel() else None for s, n in zip(o.stride(), o.shape))
         which = index.setdefault(_storage_id(o), len(index))
         outs.append((tuple(o.shape), strides, o.storage_offset(), o.dtype, which, o.untyped_storage().nbytes()))
     return after, tuple(outs), n_inputs
