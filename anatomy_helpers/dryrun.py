@@ -75,12 +75,18 @@ def fake_module(model: nn.Module, mode: FakeTensorMode, device: str | torch.devi
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in new:
-            st = t.untyped_storage()
+            key = t.untyped_storage()._cdata
             with mode:
-                if st._cdata not in storages:
-                    storages[st._cdata] = torch.empty(st.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
-                f = torch.empty(0, dtype=t.dtype, device=device)
-                f.set_(storages[st._cdata], t.storage_offset(), t.shape, t.stride())
+                if key in storages:  # a view of a storage already made
+                    f = torch.empty(0, dtype=t.dtype, device=device)
+                    f.set_(storages[key], t.storage_offset(), t.shape, t.stride())
+                else:
+                    f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                    if t.storage_offset() or f.untyped_storage().nbytes() != t.untyped_storage().nbytes():
+                        st = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=device)
+                        f = torch.empty(0, dtype=t.dtype, device=device)
+                        f.set_(st.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+                    storages[key] = f.untyped_storage()
             new[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
             old.append(t)
         return new[id(t)]

@@ -56,17 +56,19 @@ _PASSED: set[tuple] = set(_ENTRY_OPS)  # signatures whose fake kernel matched th
 _FAILED: dict[tuple, str] = {}  # signature -> how the fake kernel differed
 
 
+_KEPT = (bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
+
+
 def _arg_key(a):
     """What of one argument enters a signature (see the module docstring)."""
     if isinstance(a, torch.Tensor):
         return (a.device.type, a.dtype, a.dim(), a.is_contiguous(), a.requires_grad)
-    if isinstance(a, (list, tuple)):
-        return frozenset(_arg_key(x) for x in a)
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
-        return type(a)  # sizes, dims, scales, learning rates: they change with the model, not the rule
-    if a is None or isinstance(a, (bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return a
-    return type(a)  # an object (the profiler's handle): its type
+    cls = type(a)
+    if cls is int or cls is float:
+        return cls  # sizes, dims, scales, learning rates: they change with the model, not the rule
+    if cls is list or cls is tuple:
+        return frozenset(map(_arg_key, a))
+    return a if cls in _KEPT else cls  # flags, dtypes, strings, None; an object (the profiler's handle): its type
 
 
 def signature(func, args, kwargs) -> tuple:
