@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from . import fake_check
-from .fake_check import OpRecorder, check_calls, op_checked
+from .fake_check import CheckedFakeTensorMode, check_calls, op_checked
 from .model import GPT, ModelConfig
 from .trace import Trace
 from .tracker import StepTracker
@@ -248,12 +248,12 @@ def _model_name(model_factory) -> str:
 
 
 def _run_fake(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device):
-    """The dry run itself: (its Trace, the op calls to check, see fake_check.OpRecorder)."""
-    mode = FakeTensorMode()
+    """The dry run itself: (its Trace, the op calls to check, see fake_check.CheckedFakeTensorMode)."""
+    mode = CheckedFakeTensorMode()  # notes the op calls to check
     model = build_fake_model(model_factory, mode, device)
-    recorder = OpRecorder()
+    mode.calls.clear()  # making the fake model is the dry run's own doing, not the step's
     try:
-        with mode, recorder:  # the recorder sits under the tracker's own mode: it sees fake inputs and outputs
+        with mode:
             optimizer = optimizer_factory(model)
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise DryRunError(f"the optimizer factory must return a torch.optim.Optimizer, got {optimizer!r}")
@@ -281,7 +281,7 @@ def _run_fake(model_factory, batch_factory, loss_fn, optimizer_factory, steps, a
                 "parameters and buffers) or from the batch factory"
             ) from e
         raise
-    return trace, recorder.calls
+    return trace, mode.calls
 
 
 def _check_ops(calls: dict, what: str, small_twin: Callable[[], dict] | None = None) -> None:

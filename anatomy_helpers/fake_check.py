@@ -5,11 +5,11 @@ from the real kernel. They usually agree, but not always: on CPU, ``aten.mkldnn_
 kernel) returns a workspace of about half a MiB per layer that autograd saves for backward, and its fake kernel
 returns an empty one, so a dry run of an LSTM would read 14 % low and say nothing.
 
-How it is checked. :class:`OpRecorder`, a dispatch mode under the tracker, sees every op of the dry run with its
-fake inputs and outputs. Ops are grouped by *signature*: the op overload with, for each tensor argument, its
+How it is checked. :class:`CheckedFakeTensorMode`, the fake mode itself, sees every op of the dry run with its fake
+inputs and outputs. Ops are grouped by *signature*: the op overload with, for each tensor argument, its
 device, dtype, number of dimensions and whether it is contiguous, and every other argument but numbers (sizes,
 dims, scales and learning rates vary with the model; flags, dtypes, strings and ``None`` do not). For each
-signature not yet checked in this process the recorder keeps the smallest call's metadata (shapes, strides,
+signature not yet checked in this process the mode keeps the smallest call's metadata (shapes, strides,
 storage sizes, which storages are shared; never the tensors, so storages still die when the step drops them).
 After the run :func:`check_calls` runs each such call once for real, on zero-filled tensors of the recorded
 layout, and compares every output (shape, strides, storage offset, dtype, which storage it shares with the inputs
@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .records import PHASES
@@ -62,7 +62,8 @@ _KEPT = (bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format
 def _arg_key(a):
     """What of one argument enters a signature (see the module docstring)."""
     if isinstance(a, torch.Tensor):
-        return (a.device.type, a.dtype, a.dim(), a.is_contiguous(), a.requires_grad)
+        device = a.fake_device if type(a) is FakeTensor else a.device  # a.device would dispatch an op
+        return (device.type, a.dtype, a.dim(), a.is_contiguous(), a.requires_grad)
     cls = type(a)
     if cls is int or cls is float:
         return cls  # sizes, dims, scales, learning rates: they change with the model, not the rule
@@ -139,28 +140,36 @@ def _where() -> str:
     return f"module {tracker._modules[tracker._module]!r}, {PHASES[tracker._phase]} phase"
 
 
-class OpRecorder(TorchDispatchMode):
-    """Keeps the smallest call of each op signature not yet checked (see the module docstring)."""
+class CheckedFakeTensorMode(FakeTensorMode):
+    """torch's FakeTensorMode that also keeps the smallest call of each op signature not yet checked (see the
+    module docstring). Itself the fake mode rather than a dispatch mode on top: a second mode would add a round
+    trip through Python to every op of every dry run."""
 
     def __init__(self):
         super().__init__()
         self.calls: dict[tuple, OpCall] = {}
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # as tracker._OpWatcher: dynamo skips frames while a mode is active anyway
+        self._depth = 0  # > 0 inside an op: the ops a fake kernel runs itself (decompositions) are its own affair
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._depth:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        self._depth += 1
+        try:
+            return self._note(func, types, args, kwargs)
+        finally:
+            self._depth -= 1
+
+    def _note(self, func, types, args, kwargs):
         key = signature(func, args, kwargs)  # before the call: an in-place op may change its inputs' layout
         if key in _PASSED:
-            return func(*args, **kwargs)
+            return super().__torch_dispatch__(func, types, args, kwargs)
         flat_in = _tensors(args, kwargs)
         known = self.calls.get(key)
         if known is not None and _nbytes(flat_in) >= known.nbytes:  # not the smallest call: nothing to note
-            return func(*args, **kwargs)
+            return super().__torch_dispatch__(func, types, args, kwargs)
         margs, mkwargs = _metas(args, kwargs)  # before the call, as the key
-        out = func(*args, **kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         flat_out = tree_flatten(out)[0]
         tensors_out = [t for t in flat_out if isinstance(t, torch.Tensor)]
         if not flat_in and not tensors_out:  # no tensor in or out (the profiler's record_function ops)

@@ -11,7 +11,7 @@ Two figures per configuration (the default model, and 7B-shaped GPT-2 and llama 
   median of ``--repeats`` runs each way, interleaved round-robin so that a machine that gets busier or quieter
   affects both alike.
 
-"Unchecked" replaces the recorder by a dispatch mode that only runs each op (and checks nothing).
+"Unchecked" replaces the checking fake mode by torch's own FakeTensorMode (it notes no calls, checks nothing).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomy_helpers import ModelConfig, dryrun, fake_check
 
@@ -39,21 +39,16 @@ CONFIGS = {
 }
 
 
-class _Unchecked(TorchDispatchMode):
-    """The recorder's place in the mode stack, checking nothing (calls stays empty)."""
+class _Unchecked(FakeTensorMode):
+    """torch's fake mode with the ``calls`` the dry run reads: none."""
 
-    calls: dict = {}
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
 
 
 def timed(cfg, kw, checked: bool) -> float:
-    dryrun.OpRecorder = fake_check.OpRecorder if checked else _Unchecked
+    dryrun.CheckedFakeTensorMode = fake_check.CheckedFakeTensorMode if checked else _Unchecked
     start = time.perf_counter()
     dryrun.dry_run_config(cfg, **kw)
     return time.perf_counter() - start
@@ -80,7 +75,7 @@ def main() -> None:
             f"{name:32} {first_checked:14.2f}s {first_unchecked:9.2f}s {later[True]:14.2f}s {later[False]:9.2f}s "
             f"{later[True] / later[False]:.2f}x"
         )
-    dryrun.OpRecorder = fake_check.OpRecorder
+    dryrun.CheckedFakeTensorMode = fake_check.CheckedFakeTensorMode
 
 
 if __name__ == "__main__":
