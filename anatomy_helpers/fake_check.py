@@ -102,7 +102,7 @@ class OpCall:
     kwargs: dict
     outcome: tuple  # see _outcome
     nbytes: int  # bytes of the distinct storages of its inputs (which call of a signature is the smallest)
-    where: str  # module and phase of the step it ran in
+    where: str  # "in module 'x', forward phase" (of the step it ran in), or "outside the tracked step"
     grad_enabled: bool
 
 
@@ -137,7 +137,7 @@ def _where() -> str:
     tracker = StepTracker._running
     if tracker is None:
         return "outside the tracked step"
-    return f"module {tracker._modules[tracker._module]!r}, {PHASES[tracker._phase]} phase"
+    return f"in module {tracker._modules[tracker._module]!r}, {PHASES[tracker._phase]} phase"
 
 
 class CheckedFakeTensorMode(FakeTensorMode):
@@ -297,7 +297,7 @@ def check_calls(calls: dict[tuple, OpCall], max_bytes: int | None = None) -> tup
                 _FAILED[key] = f"the real kernel refused the fake run's inputs ({error})"
             else:
                 _FAILED[key] = _difference(call.outcome, real)
-        problems[key] = f"{call.func} (first seen in {call.where}): {_FAILED[key]}"
+        problems[key] = f"{call.func} (first seen {call.where}): {_FAILED[key]}"
         # Stop at the first difference: later calls may take that op's outputs as inputs, and a real kernel fed
         # a fake kernel's wrong sizes can crash (mkldnn_rnn_layer_backward given an empty workspace does).
         break
