@@ -40,10 +40,12 @@ shape of curve, not the same bytes.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import int_in, whole_bytes
 from .trace import PHASES, AllocationRecord
 from .units import MiB, round_up
 
@@ -138,6 +140,10 @@ class CachingAllocatorSim:
     def __init__(self) -> None:
         self._segments: list[_Segment] = []
         self._live: dict[int, _Block] = {}  # allocation id -> its block
+        # Each pool's free blocks sorted by (size, segment id, offset), as torch's BlockPool orders them, so a
+        # best-fit lookup is a bisection (a scan of every block made long replays quadratic in their events).
+        self._free: dict[str, list[tuple[int, int, int]]] = {"small": [], "large": []}
+        self._free_blocks: dict[tuple[int, int, int], _Block] = {}
         self._next_segment_id = 0
         self.allocated = 0
         self.reserved = 0
@@ -154,11 +160,15 @@ class CachingAllocatorSim:
         """Allocate ``nbytes`` bytes for the allocation id ``key`` (chosen by the caller)."""
         if key in self._live:
             raise ValueError(f"allocation {key} is already live: free it first")
+        if type(nbytes) is not int or nbytes < 0:  # the replay's plain ints skip the full check
+            nbytes = whole_bytes("nbytes", nbytes, allow_zero=True)
         size = round_size(nbytes)
         pool = "small" if size <= SMALL_REQUEST else "large"
         block = self._best_fit(pool, size)
         if block is None:
             block = self._new_segment(pool, segment_size_for(size))
+        else:
+            self._unindex(block)
         remaining = block.size - size
         # In the large pool a remainder of 1 MiB or less stays attached to the block:
         # as a block of its own it could only serve small requests, which never come
@@ -178,7 +188,7 @@ class CachingAllocatorSim:
             raise KeyError(f"allocation {key} is not live")
         self.allocated -= block.size
         block.key = None
-        self._merge_with_neighbours(block)
+        self._merge_with_neighbours(block)  # leaves the merged free block indexed
 
     def empty_cache(self) -> None:
         """Give every entirely free segment back to CUDA, like ``torch.cuda.empty_cache()``.
@@ -189,6 +199,7 @@ class CachingAllocatorSim:
         for seg in self._segments:
             if len(seg.blocks) == 1 and seg.blocks[0].free:
                 self.reserved -= seg.size
+                self._unindex(seg.blocks[0])
             else:
                 keep.append(seg)
         self._segments = keep
@@ -207,10 +218,24 @@ class CachingAllocatorSim:
 
     # ---- internals ------------------------------------------------------------------
     def _best_fit(self, pool: str, size: int) -> _Block | None:
-        # torch keeps each pool's free blocks in a set sorted by (size, address) and
-        # takes the first one >= size; a linear scan finds the same block.
-        fits = [b for seg in self._segments if seg.pool == pool for b in seg.blocks if b.free and b.size >= size]
-        return min(fits, key=lambda b: (b.size, b.segment.id, b.offset), default=None)
+        # torch keeps each pool's free blocks in a set sorted by (size, address) and takes the first one >= size:
+        # the smallest that fits, ties to the lowest segment id, then the lowest offset.
+        free = self._free[pool]
+        i = bisect_left(free, (size, -1, -1))
+        return self._free_blocks[free[i]] if i < len(free) else None
+
+    def _index(self, block: _Block) -> None:
+        """Enter a free block in its pool's sorted list (call after its size or offset last changed)."""
+        where = (block.size, block.segment.id, block.offset)
+        insort(self._free[block.segment.pool], where)
+        self._free_blocks[where] = block
+
+    def _unindex(self, block: _Block) -> None:
+        """Take a free block out of its pool's sorted list (before it is handed out, resized or dropped)."""
+        where = (block.size, block.segment.id, block.offset)
+        free = self._free[block.segment.pool]
+        del free[bisect_left(free, where)]
+        del self._free_blocks[where]
 
     def _new_segment(self, pool: str, size: int) -> _Block:
         seg = _Segment(self._next_segment_id, pool, size)
@@ -229,6 +254,7 @@ class CachingAllocatorSim:
         blocks = block.segment.blocks
         blocks.insert(blocks.index(block) + 1, rest)
         block.size = size
+        self._index(rest)
 
     def _merge_with_neighbours(self, block: _Block) -> None:
         # Merging keeps free memory in as few, as large blocks as possible, so a later
@@ -236,9 +262,15 @@ class CachingAllocatorSim:
         blocks = block.segment.blocks
         i = blocks.index(block)
         if i + 1 < len(blocks) and blocks[i + 1].free:
-            block.size += blocks.pop(i + 1).size
+            nxt = blocks.pop(i + 1)
+            self._unindex(nxt)
+            block.size += nxt.size
         if i > 0 and blocks[i - 1].free:
-            blocks[i - 1].size += blocks.pop(i).size
+            prev = blocks[i - 1]
+            self._unindex(prev)
+            prev.size += blocks.pop(i).size
+            block = prev
+        self._index(block)
 
 
 @dataclass
@@ -373,9 +405,7 @@ class LimitedAllocatorSim(CachingAllocatorSim):
 
     def __init__(self, limit: int):
         super().__init__()
-        if limit <= 0:
-            raise ValueError(f"limit must be positive, got {limit}")
-        self.limit = limit
+        self.limit = whole_bytes("limit", limit)
         self.cache_flushes = 0
         self._requested = 0
 
@@ -446,6 +476,5 @@ def min_limit_to_pass(record: AllocationRecord, through_step: int | None = None,
 def allocator_at(record: AllocationRecord, row: int, sim: CachingAllocatorSim | None = None) -> CachingAllocatorSim:
     """The simulated allocator after rows ``0..row`` of ``record`` (or ``sim``, replayed into), whose
     ``segments()`` show every segment and block at that moment."""
-    if not -1 <= row < len(record):
-        raise ValueError(f"row must be from -1 to {len(record) - 1}, got {row!r}")
+    row = int_in("row", row, -1, len(record))
     return replay_rows(CachingAllocatorSim() if sim is None else sim, record, row + 1)

@@ -8,6 +8,7 @@ answer, ``--fix`` for the ranked candidate fixes).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -79,9 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text!r}")
+    return value
+
+
 def build_predict_parser() -> argparse.ArgumentParser:
     from .checkpointing import CHECKPOINT_POLICIES
-    from .fit import DEVICES, IMPLEMENTATION_FLAGS
+    from .devices import DEVICES
+    from .fit import IMPLEMENTATION_FLAGS, MAX_LAYERS
 
     d = ModelConfig()
     p = argparse.ArgumentParser(
@@ -90,56 +102,90 @@ def build_predict_parser() -> argparse.ArgumentParser:
         "GPU, and if not, which phase of which step runs out first.",
     )
     p.add_argument("--block", choices=("gpt2", "llama"), default="gpt2", help="block (default: gpt2)")
-    p.add_argument("--layers", type=_positive_int, default=d.n_layer, help=f"transformer blocks (default: {d.n_layer})")
+    p.add_argument(
+        "--layers", type=_positive_int, default=d.n_layer, help=f"transformer blocks, at most {MAX_LAYERS} "
+        f"(default: {d.n_layer})"
+    )  # fmt: skip
     p.add_argument("--d-model", type=_positive_int, default=d.d_model, help=f"hidden size (default: {d.d_model})")
     p.add_argument("--heads", type=_positive_int, default=d.n_head, help=f"attention heads (default: {d.n_head})")
     p.add_argument("--kv-heads", type=_positive_int, default=None, help="llama: key/value heads (default: heads)")
+    p.add_argument(
+        "--mlp-ratio", type=_positive_int, default=d.mlp_ratio, help=f"MLP width / hidden size (default: {d.mlp_ratio})"
+    )
+    p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
+    p.add_argument("--dropout", type=float, default=d.dropout, help=f"dropout probability (default: {d.dropout})")
     p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help=f"sequence length (default: {d.seq_len})")
     p.add_argument("--vocab", type=_positive_int, default=d.vocab_size, help=f"vocabulary (default: {d.vocab_size})")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per batch (default: 8)")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per optimizer step (default: 8)")
+    p.add_argument(
+        "--micro-batches", type=_positive_int, default=1, help="gradient accumulation: micro-batches per step, "
+        "dividing --batch-size (default: 1)"
+    )  # fmt: skip
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
     p.add_argument("--impl", choices=tuple(IMPLEMENTATION_FLAGS), default="foreach", help="(default: foreach)")
     p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
     p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None, help="mixed precision (default: off)")
     p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default="none", help="(default: none)")
-    p.add_argument("--gpu", choices=tuple(DEVICES), default="T4 16 GB", help="the device (default: 'T4 16 GB')")
+    p.add_argument(
+        "--checkpoint-every", type=_positive_int, default=None, help="with --checkpoint every_k: blocks per "
+        "checkpointed segment (default: 1)"
+    )  # fmt: skip
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", type=str.lower, choices=tuple(DEVICES), default="t4", help="the device (default: t4)")
+    gpu.add_argument("--gpu-gib", type=_positive_gib, default=None, help="a device of this many GiB instead")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.add_argument("--fix", action="store_true", help="also dry-run and rank the candidate fixes")
     return p
 
 
+def _predict_config(args) -> ModelConfig:
+    """The ModelConfig the options describe; ValueError (ModelConfig's own) for a bad combination."""
+    if args.checkpoint_every is not None and args.checkpoint != "every_k":
+        raise ValueError("--checkpoint-every needs --checkpoint every_k")
+    return ModelConfig(
+        block=args.block,
+        n_layer=args.layers,
+        d_model=args.d_model,
+        n_head=args.heads,
+        n_kv_head=args.kv_heads,
+        mlp_ratio=args.mlp_ratio,
+        tie_embeddings=not args.untied,
+        dropout=args.dropout,
+        seq_len=args.seq_len,
+        vocab_size=args.vocab,
+        attn_impl=args.attn,
+        dtype=args.dtype,
+        checkpoint=args.checkpoint,
+        checkpoint_every=1 if args.checkpoint_every is None else args.checkpoint_every,
+    )
+
+
 def predict_main(argv: list[str]) -> int:
     import json
 
-    from .fit import cheapest_fix, fixes_table, will_it_fit
+    from .devices import DEVICES, gib_device
+    from .fit import check_request, will_it_fit
+    from .fixes import cheapest_fix, fixes_table
 
     parser = build_predict_parser()
     args = parser.parse_args(argv)
-    try:
-        cfg = ModelConfig(
-            block=args.block,
-            n_layer=args.layers,
-            d_model=args.d_model,
-            n_head=args.heads,
-            n_kv_head=args.kv_heads,
-            seq_len=args.seq_len,
-            vocab_size=args.vocab,
-            attn_impl=args.attn,
-            dtype=args.dtype,
-            checkpoint=args.checkpoint,
-        )
+    try:  # every value is checked here, before any dry run
+        cfg = _predict_config(args)
+        device = DEVICES[args.gpu] if args.gpu_gib is None else gib_device(args.gpu_gib)
+        kw = dict(optimizer=args.optimizer, implementation=args.impl, autocast=args.autocast, device=device)
+        check_request(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
     except ValueError as e:
         parser.error(str(e))
-    kw = dict(optimizer=args.optimizer, implementation=args.impl, autocast=args.autocast, device=args.gpu)
-    report = will_it_fit(cfg, args.batch_size, **kw)
-    fixes = cheapest_fix(cfg, args.batch_size, **kw) if args.fix else []
+    report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
+    fixes = cheapest_fix(cfg, args.batch_size, micro_batches=args.micro_batches, **kw) if args.fix else []
     if args.json:
         answer = {
             "config": report.label,
             "device": report.device,
             "capacity_bytes": report.capacity,
             "usable_bytes": report.usable,
+            "compute_capability": None if device.capability is None else ".".join(map(str, device.capability)),
             "fits": report.fits,
             "runs_out_first": None if report.failure is None else dict(zip(("step", "phase"), report.failure)),
             "phases": [
@@ -152,6 +198,7 @@ def predict_main(argv: list[str]) -> int:
                     fits=f.fits,
                     peak_bytes=f.report.peak.tensors,
                     extra_flops=f.extra_flops,
+                    changes=f.effect,
                     changes_training=f.changes_training,
                 )
                 for f in fixes

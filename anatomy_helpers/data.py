@@ -6,29 +6,21 @@ No downloads: the text ships inside the package. Batches are a pure function of
 
 from __future__ import annotations
 
-import numbers
 import random
 from functools import lru_cache
 from importlib import resources
 
 import torch
 
+from .checks import int_in, positive_int
+
 TEXT_FILE = "sonnets.txt"
 SEED_LIMIT = 2**32  # seeds and steps live in [0, 2**32), the range numpy's seed accepts
 
 
-def _check_int(where: str, name: str, value, seed_like: bool = False) -> int:
-    """``value`` as an int; a ValueError naming ``name`` unless it is a positive integer
-    (or, if ``seed_like``, an integer in [0, 2**32))."""
-    low, high, rule = (0, SEED_LIMIT, "an integer in [0, 2**32)") if seed_like else (1, None, "a positive integer")
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low or (high and value >= high):
-        raise ValueError(f"{where}: {name} must be {rule}, got {value!r}")
-    return int(value)
-
-
 def seed_everything(seed: int = 0) -> None:
     """Seed Python's and torch's random generators (and numpy's, if installed)."""
-    seed = _check_int("seed_everything", "seed", seed, seed_like=True)
+    seed = int_in("seed_everything: seed", seed, 0, SEED_LIMIT, "2**32")
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -93,10 +85,10 @@ def get_batch(
     Returns ``(x, y)``, both (batch_size, seq_len) int64, where ``y`` is ``x``
     shifted by one character. The same (seed, step) always gives the same batch.
     """
-    batch_size = _check_int("get_batch", "batch_size", batch_size)
-    seq_len = _check_int("get_batch", "seq_len", seq_len)
-    step = _check_int("get_batch", "step", step, seed_like=True)
-    seed = _check_int("get_batch", "seed", seed, seed_like=True)
+    batch_size = positive_int("get_batch: batch_size", batch_size)
+    seq_len = positive_int("get_batch: seq_len", seq_len)
+    step = int_in("get_batch: step", step, 0, SEED_LIMIT, "2**32")
+    seed = int_in("get_batch: seed", seed, 0, SEED_LIMIT, "2**32")
     data = _token_ids()
     if seq_len > max_seq_len():
         raise ValueError(

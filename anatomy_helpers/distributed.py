@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import pickle
 import signal
 import sys
 import time
-import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -80,6 +78,13 @@ class RankJob:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
+        for name in ("steps", "batch_size", "micro_batches", "warmup"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "warmup" else 1):
+                raise ValueError(
+                    f"RankJob.{name} must be a {'non-negative' if name == 'warmup' else 'positive'} "
+                    f"integer, got {value!r}"
+                )
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"fault must be None or one of {FAULTS}, got {self.fault!r}")
 
@@ -436,21 +441,6 @@ def _process_group(backend: str | None):
         dist.destroy_process_group()
 
 
-def rank_main(jobs: list[RankJob], backend: str | None = None, failure_note: str | None = None) -> list[RankResult]:
-    """Run ``jobs`` on this process as one rank of the process group (see :func:`_process_group`).
-
-    ``failure_note``: a file to write the time and traceback to if a job raises, before the process group goes
-    down (which makes the other ranks fail too), so the runner can tell which rank failed first."""
-    with _process_group(backend) as (rank, world_size, device):
-        try:
-            return [run_job(job, rank, world_size, device) for job in jobs]
-        except BaseException:
-            if failure_note is not None:
-                with open(failure_note, "w") as f:
-                    f.write(f"{time.time()}\n{traceback.format_exc()}")
-            raise
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m anatomy_helpers.distributed",
@@ -465,22 +455,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # run_world's ranks: the folder with jobs.pkl
     args = parser.parse_args(argv)
-    from .world import format_rank_table, rank_row, rank_rows, run_world  # world imports this module
+    from .world import check_jobs, format_rank_table, rank_row, rank_rows, run_world, worker_main  # imports this module
 
     if args.worker:
-        with open(os.path.join(args.worker, "jobs.pkl"), "rb") as f:
-            jobs = pickle.load(f)
-        results = rank_main(jobs, args.backend, os.path.join(args.worker, f"rank{os.environ['RANK']}.failed"))
-        path = os.path.join(args.worker, f"rank{os.environ['RANK']}.pkl")
-        with open(path + ".tmp", "wb") as f:
-            pickle.dump(results, f)
-        os.replace(path + ".tmp", path)
-        return 0
-    jobs = [
-        RankJob(s, steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches)
-        for s in args.strategies
-    ]
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        return worker_main(args.worker, args.backend)
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # under torchrun: this process is one rank
+    try:
+        jobs = [
+            RankJob(s, steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches)
+            for s in args.strategies
+        ]
+        if torchrun:
+            check_jobs(jobs, int(os.environ["WORLD_SIZE"]))
+        else:
+            results = run_world(jobs, args.world_size, backend=args.backend or "gloo")
+    except ValueError as e:  # a bad argument: a message and exit code 2, not a traceback
+        parser.error(str(e))
+    if torchrun:
         with _process_group(args.backend) as (rank, world_size, device):
             mine = [run_job(job, rank, world_size, device) for job in jobs]
             gathered = [None] * world_size if rank == 0 else None
@@ -488,7 +479,6 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(format_rank_table([row for rows in zip(*gathered) for row in rows]))
         return 0
-    results = run_world(jobs, args.world_size, backend=args.backend or "gloo")
     print(format_rank_table(rank_rows(results)))
     return 0
 

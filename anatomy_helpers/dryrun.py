@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import (
 
 from . import fake_check
 from .fake_check import CheckedFakeTensorMode, check_calls, op_checked
+from .interrupts import DeferredInterrupt
 from .model import GPT, ModelConfig
 from .trace import Trace
 from .tracker import StepTracker
@@ -247,8 +248,22 @@ def _model_name(model_factory) -> str:
     return getattr(model_factory, "__name__", type(model_factory).__name__)
 
 
-def _run_fake(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device):
-    """The dry run itself: (its Trace, the op calls to check, see fake_check.CheckedFakeTensorMode)."""
+def _run_fake(*args):
+    """The dry run itself: (its Trace, the op calls to check, see fake_check.CheckedFakeTensorMode).
+
+    ``args``: those of :func:`_fake_steps`.
+    """
+    # A Ctrl-C raised inside FakeTensorMode's Python code, which torch's C++ dispatcher called, aborts the whole
+    # process (torch 2.13): hold it for the whole dry run; the tracker raises it between two ops.
+    interrupt = DeferredInterrupt()
+    interrupt.start()
+    try:
+        return _fake_steps(*args)
+    finally:
+        interrupt.stop()
+
+
+def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device):
     mode = CheckedFakeTensorMode()  # notes the op calls to check
     model = build_fake_model(model_factory, mode, device)
     mode.calls.clear()  # making the fake model is the dry run's own doing, not the step's

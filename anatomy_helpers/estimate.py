@@ -5,8 +5,14 @@ code (model.py) and torch's kernels: what autograd saves per layer, what a check
 optimizer allocates. Notation as in ``formulas``: ``N = b*s`` tokens, ``h`` hidden size, ``F = r*h`` the MLP width,
 ``a`` heads, ``V`` vocabulary, ``e`` bytes per element of the model's dtype. Bytes everywhere.
 
-It is checked against the dry run (which equals the measurement byte for byte) by tests/test_estimate.py and
-benchmarks/prediction_errors.py; beside it, :func:`textbook_estimates` gives what the usual rules of thumb say.
+A phase's peak is the largest of a few named moments (:func:`forward_moments`, :func:`backward_moments`): the
+loss, the last block's MLP and attention core (forward inside a checkpointed block; backward as the gradients
+arrive), a recomputed segment, and the embedding, where a tied embedding's gradient meets the LM head's.
+The per-block terms are what each module saves on CPU (:func:`block_terms`). Checked against what a real forward
+saved (saved.py) and against the dry run (which equals the measurement byte for byte) by tests/test_estimate.py;
+benchmarks/prediction_errors.py prints the error table of its sweep (step peaks equal to the byte). Autocast and
+gradient accumulation are not modelled (:func:`estimate_step` refuses them). Beside it,
+:func:`textbook_estimates` gives what the usual rules of thumb say.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ IMPLEMENTATIONS = ("single", "foreach", "fused")  # torch's optimizer implementa
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """Predicted peaks (bytes) of each phase of step 1 and of a later step, and the model states behind them."""
+    """Predicted peaks (bytes) of each phase of step 1 and of a later step, and the model states behind them.
+
+    Step 1's optimizer phase reads up to 4 bytes per parameter tensor high: its measured peak comes before Adam's
+    4-byte ``step`` counters are counted."""
 
     parameters: int
     gradients: int
@@ -50,13 +59,20 @@ def parameter_bytes(cfg: ModelConfig) -> int:
     return param_count(cfg) * e + buffers
 
 
+def param_sizes(cfg: ModelConfig) -> list[int]:
+    """Elements of each parameter tensor, in the order ``model.parameters()`` gives them (the optimizer's order)."""
+    h, F, V = cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.vocab_size
+    qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+    head = [] if cfg.tie_embeddings else [V * h]  # a tied LM head is the embedding's tensor
+    if cfg.block == "llama":  # ln1, qkv, proj, ln2, gate, up, down; the final RMSNorm
+        return [V * h] + [h, qkv * h, h * h, h, F * h, F * h, h * F] * cfg.n_layer + [h] + head
+    block = [h, h, qkv * h, qkv, h * h, h, h, h, F * h, F, h * F, h]  # LN, qkv, proj, LN, fc, proj (w, b)
+    return [V * h, cfg.seq_len * h] + block * cfg.n_layer + [h, h] + head
+
+
 def n_param_tensors(cfg: ModelConfig) -> int:
     """How many parameter tensors the model has (Adam keeps one 4-byte ``step`` per tensor)."""
-    if cfg.block == "llama":
-        per_block, rest = 2 + 2 + 3, 2 + (0 if cfg.tie_embeddings else 1)  # norms, qkv+proj, gate/up/down
-    else:
-        per_block, rest = 4 + 4 + 4, 4 + (0 if cfg.tie_embeddings else 1)  # LN w+b x2, qkv/proj w+b, fc/proj w+b
-    return cfg.n_layer * per_block + rest
+    return len(param_sizes(cfg))
 
 
 def optimizer_state_bytes(cfg: ModelConfig, optimizer: str) -> int:
@@ -67,62 +83,128 @@ def optimizer_state_bytes(cfg: ModelConfig, optimizer: str) -> int:
     return p if optimizer == "momentum" else 0
 
 
+def _core_elt(cfg: ModelConfig) -> int:
+    """Bytes per element of the attention core. With dropout CPU sdpa runs its math kernel, which casts q, k and v
+    of a 16-bit model to fp32 first (``_scaled_dot_product_attention_math`` in aten's transformers/attention.cpp)."""
+    return 4 if cfg.attn_impl == "sdpa" and cfg.dropout > 0 else _elt(cfg)
+
+
+def _qkv_storages(cfg: ModelConfig, N: int) -> int:
+    """Bytes of the storages behind the q, k, v that enter the attention core. GPT-2: views of the one qkv output
+    (3Nh). Llama: q and k are rotary outputs; with grouped-query attention k and v are ``repeat_interleave``
+    copies (Nh each), without it v is a view of the whole qkv output."""
+    e, h, D = _elt(cfg), cfg.d_model, cfg.head_dim
+    if cfg.block != "llama" or cfg.kv_heads != cfg.n_head:
+        return 3 * N * h * e
+    return 2 * N * h * e + N * (cfg.n_head + 2 * cfg.kv_heads) * D * e
+
+
+def _matmul_qkv(cfg: ModelConfig, b: int, without_v: bool = False) -> int:
+    """Bytes of the storages behind the q, k^T and v that the materialised core's two matmuls save (or only q's
+    and k's). Reshaping a (B, a, s, D) view to (B*a, s, D) copies it, except at B = 1, where the matmuls save
+    views of q, k and v themselves (:func:`_qkv_storages`); the math kernel makes a new scaled q and k^T there
+    and keeps v a view. A 16-bit model's math kernel works on fp32 copies."""
+    e, h, N, ec = _elt(cfg), cfg.d_model, b * cfg.seq_len, _core_elt(cfg)
+    if b > 1 or ec != e:
+        return (2 if without_v else 3) * N * h * ec
+    grouped = cfg.block == "llama" and cfg.kv_heads != cfg.n_head
+    v = N * h * e if grouped else N * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim * e  # a copy, or the qkv output
+    if cfg.attn_impl == "manual":
+        qk = _qkv_storages(cfg, N) - v
+        return qk if without_v else qk + v
+    return 2 * N * h * e + (0 if without_v else v)
+
+
+def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
+    """What one block saves for backward without checkpointing, by the module that saves it first (bytes).
+
+    The keys are the block's submodules (``attn`` is the attention core, the block's own ops); each value counts
+    every storage once, for the first module that saves it, as :func:`anatomy_helpers.saved.saved_rows` does:
+
+    * a norm keeps its input and mean and rstd (LayerNorm: N each, in the model's dtype on CPU) or its input,
+      the normalised input and the rms (RMSNorm); each Linear keeps its input; GELU its input; SwiGLU gate, silu,
+      up;
+    * the manual core keeps copies of q, k^T and v for the two matmuls (3Nh; at batch 1 views, :func:`_matmul_qkv`),
+      the softmax output and the inverted causal mask ``~mask`` (s x s bool); sdpa keeps q, k, v
+      (:func:`_qkv_storages`), its output and the fp32 log-sum-exp. With dropout CPU sdpa runs the math kernel,
+      which keeps what the manual core does but no mask.
+    * dropout on CPU keeps its noise in the model's dtype; the attention dropout's output is saved by att @ v.
+    """
+    e, s, h, a, F = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.mlp_ratio * cfg.d_model
+    N, scores, ec, dropout = b * s, b * a * s * s, _core_elt(cfg), cfg.dropout > 0
+    llama, fused = cfg.block == "llama", cfg.attn_impl == "sdpa" and not dropout
+    norm = 2 * N * h * e + N * e if llama else N * h * e + 2 * N * e
+    if fused:  # the flash kernel: q, k, v, its output (GPT-2: the out-proj's input too) and the log-sum-exp
+        core = _qkv_storages(cfg, N) + N * h * e + 4 * b * a * s
+    else:  # q, k^T, v for the two matmuls, the softmax output, (the dropout's output), (the causal mask)
+        core = _matmul_qkv(cfg, b) + scores * ec * (2 if dropout else 1) + (s * s if cfg.attn_impl == "manual" else 0)
+    attn_noise = scores * e if dropout and cfg.attn_impl == "manual" else 0  # sdpa's noise is in its core
+    terms = {"ln1": norm, "attn.qkv": N * h * e, "attn": core + (scores * ec if dropout and not attn_noise else 0)}
+    terms["attn.attn_drop"] = attn_noise
+    terms["attn.proj"] = 0 if fused and not llama else N * h * e  # GPT-2's sdpa output is the out-proj input
+    terms["attn.resid_drop"] = N * h * e if dropout else 0
+    terms["ln2"] = norm
+    if llama:
+        terms.update({"mlp.gate": N * h * e, "mlp": 3 * N * F * e})  # silu's input, its output, up's output
+    else:
+        terms.update({"mlp.fc": N * h * e, "mlp.gelu": N * F * e})
+    terms.update({"mlp.proj": N * F * e, "mlp.drop": N * h * e if dropout else 0})
+    return terms
+
+
 def layer_activation_bytes(cfg: ModelConfig, b: int, policy: str | None = None) -> int:
-    """What one block saves for backward with no checkpointing (``policy`` "none") or under ``policy``.
+    """What one block keeps for backward with no checkpointing (``policy`` "none") or under ``policy``.
 
-    GPT-2 block: the LayerNorm inputs and the inputs of qkv and fc (4Nh), LayerNorm mean and rstd (fp32, 2N
-    each, two norms), copies of q, k, v for the matmuls (3Nh), the out-proj input (Nh), GELU's input and output
-    (2NF), and the attention core: the softmax output ``b*a*s^2`` (manual) or only the fp32 log-sum-exp
-    ``4*b*a*s`` (sdpa: its output *is* the out-proj input). Llama block: RMSNorm keeps its input and the
-    normalised input (6Nh with the qkv and gate/up inputs) and SwiGLU keeps gate, silu, up and their product
-    (4NF). Dropout on CPU keeps its noise tensor in the model's dtype: the residual and MLP dropouts 2Nh, the
-    attention dropout its noise and its output (2 ``b*a*s^2``); with dropout CPU sdpa runs the math kernel,
-    which keeps what the manual one does.
-
-    ``"selective"`` keeps the block's input and the outputs of its matrix multiplications: qkv, q k^T (manual)
-    or the attention output and log-sum-exp (sdpa), att v, out-proj, fc (gate and up), MLP out-proj.
-    ``"attention"`` drops the ``s^2`` part (recomputed in backward).
+    ``"none"`` and ``"offload"`` (which keeps everything on a CPU): the sum of :func:`block_terms`.
+    ``"attention"`` keeps everything but the core's insides: the core's inputs q, k, v (their storages) and the
+    out-projection's input instead. ``"selective"`` keeps the block's input and the outputs of its matrix
+    multiplications: qkv, q k^T and att v (or the flash output and log-sum-exp), out-proj, fc (gate and up), the
+    MLP's out-projection. ``"full"`` and ``"every_k"`` keep only each segment's input (:func:`activation_bytes`).
     """
     e, s, h, a, D = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.head_dim
-    N, F = b * s, cfg.mlp_ratio * cfg.d_model
-    scores = b * a * s * s
-    lse = 4 * b * a * s
-    llama, dropout = cfg.block == "llama", cfg.dropout > 0
-    materialised = cfg.attn_impl == "manual" or dropout
+    N, F, ec = b * s, cfg.mlp_ratio * cfg.d_model, _core_elt(cfg)
+    llama, materialised = cfg.block == "llama", cfg.attn_impl == "manual" or cfg.dropout > 0
     policy = cfg.checkpoint if policy is None else policy
+    if policy in ("full", "every_k"):
+        return 0
     if policy == "selective":
         qkv_out = N * (cfg.n_head + 2 * cfg.kv_heads) * D * e
-        core = (scores * e + N * h * e) if materialised else (N * h * e + lse)
+        core = (b * a * s * s + N * h) * ec if materialised else N * h * e + 4 * b * a * s
         mlp = N * F * e * (2 if llama else 1) + N * h * e
         return N * h * e + qkv_out + core + N * h * e + mlp
-    stats = 2 * 2 * N * 4  # mean/rstd (LayerNorm) or rms (RMSNorm), two norms, fp32
-    norms_and_inputs = (6 if llama else 4) * N * h * e
-    mlp = (4 if llama else 2) * N * F * e
-    qkv_copies, proj_in = 3 * N * h * e, N * h * e
-    core = scores * e if materialised else lse
-    if dropout:
-        core += 2 * scores * e
-    if policy == "attention" and materialised:
-        core = 0  # recomputed in backward
-    masks = 2 * N * h * e if dropout else 0
-    return norms_and_inputs + stats + qkv_copies + proj_in + mlp + core + masks
+    terms = block_terms(cfg, b)
+    if policy == "attention":  # recomputed in backward from its inputs
+        terms.update({"attn": _qkv_storages(cfg, N), "attn.attn_drop": 0, "attn.proj": N * h * e})
+    return sum(terms.values())
+
+
+def embedding_activation_bytes(cfg: ModelConfig, b: int) -> int:
+    """The embeddings' saved tensors: GPT-2's position ids (int64, s) and the embedding dropout's noise (Nh)."""
+    pos = 8 * cfg.seq_len if cfg.block != "llama" else 0
+    return pos + (b * cfg.seq_len * cfg.d_model * _elt(cfg) if cfg.dropout > 0 else 0)
 
 
 def head_activation_bytes(cfg: ModelConfig, b: int) -> int:
-    """The final norm, the LM head's input and the loss: fp32 log-probabilities (N x V), targets (8N)."""
+    """The final norm's, the LM head's input and the loss's saved tensors: fp32 log-probabilities (N x V) and the
+    loss's 4-byte total weight. Freed at the head's backward."""
     e, N, h, V = _elt(cfg), b * cfg.seq_len, cfg.d_model, cfg.vocab_size
-    norm = (2 if cfg.block == "llama" else 1) * N * h * e + 2 * N * 4
-    loss = N * V * 4 + 8 * N + 4
-    return norm + N * h * e + loss + (N * h * e if cfg.dropout > 0 else 0)  # + the embedding dropout's noise
+    norm = 2 * N * h * e + N * e if cfg.block == "llama" else N * h * e + 2 * N * e
+    return norm + N * h * e + N * V * 4 + 4
+
+
+def _segments(cfg: ModelConfig) -> list[int]:
+    """Blocks per checkpointed segment under "full" or "every_k", in forward order."""
+    k = cfg.checkpoint_every if cfg.checkpoint == "every_k" else 1
+    return [min(k, cfg.n_layer - i) for i in range(0, cfg.n_layer, k)]
 
 
 def activation_bytes(cfg: ModelConfig, b: int) -> int:
     """What the forward keeps for backward, at its end, under the config's checkpointing policy."""
-    L, e, N, h = cfg.n_layer, _elt(cfg), b * cfg.seq_len, cfg.d_model
+    L, N, h = cfg.n_layer, b * cfg.seq_len, cfg.d_model
+    edge = embedding_activation_bytes(cfg, b) + head_activation_bytes(cfg, b)
     if cfg.checkpoint in ("full", "every_k"):
-        k = 1 if cfg.checkpoint == "full" else cfg.checkpoint_every
-        return -(-L // k) * N * h * e + head_activation_bytes(cfg, b)  # one input per segment
-    return L * layer_activation_bytes(cfg, b) + head_activation_bytes(cfg, b)
+        return len(_segments(cfg)) * N * h * _elt(cfg) + edge  # one input per segment
+    return L * layer_activation_bytes(cfg, b) + edge
 
 
 def block_parameter_bytes(cfg: ModelConfig) -> int:
@@ -135,46 +217,177 @@ def block_parameter_bytes(cfg: ModelConfig) -> int:
 
 def optimizer_temporaries(cfg: ModelConfig, optimizer: str, impl: str) -> int:
     """The optimizer step's transient memory. Adam's ``denom = (exp_avg_sq.sqrt() / c).add_(eps)`` makes two
-    tensors: the for-loop one tensor at a time (the largest: the token embedding or an MLP matrix), foreach
-    one list for every parameter at once; fused kernels none."""
-    e, h, F, V = _elt(cfg), cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.vocab_size
-    largest = max(V * h, F * h) * e
-    if impl == "fused" or optimizer in ("sgd", "momentum"):  # SGD's updates are in place
+    tensors: foreach one list for every parameter at once; the for-loop one tensor at a time, while the previous
+    tensor's ``denom`` is still bound (until the assignment), so the largest of ``previous + 2 x this`` (torch's
+    ``_single_tensor_adam``); fused kernels none, and SGD's updates are in place."""
+    if impl == "fused" or optimizer in ("sgd", "momentum"):
         return 0
-    return param_count(cfg) * e if impl == "foreach" else 2 * largest
+    sizes = param_sizes(cfg)
+    if impl == "foreach":
+        return sum(sizes) * _elt(cfg)
+    return max(prev + 2 * n for prev, n in zip([0] + sizes, sizes)) * _elt(cfg)
 
 
-def estimate_step(cfg: ModelConfig, batch_size: int, optimizer: str = "adamw", impl: str = "single") -> StepEstimate:
-    """Predicted peak of each phase of step 1 and of later steps (``phase_peaks[(1 or 2, phase)]``), in bytes."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
-    e, b, N, h, V = _elt(cfg), batch_size, batch_size * cfg.seq_len, cfg.d_model, cfg.vocab_size
-    F = cfg.mlp_ratio * h
-    P, G = parameter_bytes(cfg), param_count(cfg) * e
-    O = optimizer_state_bytes(cfg, optimizer)  # noqa: E741
-    A, A_head = activation_bytes(cfg, b), head_activation_bytes(cfg, b)
-    logits = N * V * e + (N * V * 4 if e != 4 else 0)  # the logits (and their fp32 copy for the loss)
-    # backward, at the head: the gradients of the log-probabilities and of the logits
-    head_bwd = A + 2 * N * V * 4
-    # backward, at the last block's MLP: gradients of its hidden (NF; SwiGLU: two more, one input freed), of its
-    # output (Nh), and its out-projection's weight gradient (Fh)
-    mlp_grads = (2 if cfg.block == "llama" else 1) * N * F * e
-    block_bwd = A - A_head + mlp_grads + N * h * e + F * h * e
+def _core_transients(cfg: ModelConfig, b: int) -> int:
+    """The peak of a materialised attention core run without saving (a checkpointed forward), beyond q, k, v.
+
+    Manual: the scores, scaled, masked (the inverted mask), softmax: two at a time, or the copies of q and k^T
+    beside the scores (views at batch 1); with dropout three s^2 tensors (its noise). CPU sdpa's math kernel
+    (dropout): an output buffer and a float s x s causal mask beside three s^2 tensors or beside the scores and
+    its scaled q, k^T and v (v a view at batch 1); a 16-bit model's q, k, v cast to fp32 first."""
+    e, s, h, ec, N = _elt(cfg), cfg.seq_len, cfg.d_model, _core_elt(cfg), b * cfg.seq_len
+    S = b * cfg.n_head * s * s * ec
+    if cfg.attn_impl == "sdpa":
+        casts = 3 * N * h * ec if ec != e else 0
+        copies = 3 * N * h * ec if b > 1 or ec != e else 2 * N * h * e
+        return casts + N * h * ec + 4 * s * s + max(copies + S, 3 * S)
+    copies = 2 * N * h * e if b > 1 else 0
+    return max(copies + S, 3 * S if cfg.dropout > 0 else 2 * S + s * s)
+
+
+def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
+    """Memory above parameters, optimizer state and the batch where forward can peak (bytes).
+
+    * ``"loss"``: every activation, the logits (a 16-bit model's fp32 copy too) and the loss;
+    * ``"last MLP"`` (full, every_k, selective): inside the last block, which saves nothing (or only its matrix
+      products) there: the residual after attention, the second norm's output (the MLP's argument) and the MLP's
+      hidden (GELU's input and output; SwiGLU's silu, up and their product); the block's input too where the
+      segment does not keep it (the segment's loop still holds it). Under "selective" at the MLP's out-projection
+      (GPT-2: GELU's output beside the kept fc output; Llama: silu's and the product beside the kept gate and up);
+    * ``"last core"`` (full, every_k, attention; materialised attention): the first norm's output (the
+      attention's argument), q, k, v and the core's transients (:func:`_core_transients`); under "attention" the
+      block has saved its first half.
+    """
+    e, s, h, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.vocab_size
+    N, F, llama = b * s, cfg.mlp_ratio * h, cfg.block == "llama"
+    A = activation_bytes(cfg, b)
+    moments = {"loss": A + N * V * e + (N * V * 4 if e != 4 else 0) + 4}
+    before = A - head_activation_bytes(cfg, b)  # embeddings and blocks
+    if cfg.checkpoint in ("full", "every_k"):
+        held = N * h * e if _segments(cfg)[-1] > 1 else 0  # the last block's input, not a segment's
+        moments["last MLP"] = before + held + 2 * N * h * e + (3 if llama else 2) * N * F * e
+        if cfg.attn_impl == "manual" or cfg.dropout > 0:
+            moments["last core"] = before + held + N * h * e + _qkv_storages(cfg, N) + _core_transients(cfg, b)
+    elif cfg.checkpoint == "attention" and (cfg.attn_impl == "manual" or cfg.dropout > 0):
+        later = sum(v for k, v in block_terms(cfg, b).items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.r")))
+        moments["last core"] = before - later + _core_transients(cfg, b)  # q, k, v kept, the rest not made yet
+    elif cfg.checkpoint == "selective":
+        moments["last MLP"] = before + (N * h * e + 2 * N * F * e if llama else 2 * N * h * e + N * F * e)
+    return moments
+
+
+def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
+    """Memory above parameters, optimizer state and the batch at the moments where backward can peak (bytes).
+
+    * ``"head"``: the loss's backward, the gradients of the log-probabilities and of the logits (N x V, fp32);
+    * ``"last MLP"``: the last block's MLP out-projection (GPT-2; Llama: SwiGLU's product), the head's activations
+      freed, its weight gradient alive (tied: held by autograd until the embedding's gradient is added to it),
+      the residual stream's gradient (Nh), the gradient of the MLP's hidden (SwiGLU: two) and the weight's;
+      under "selective" the last block recomputed (all it saves without checkpointing, its input kept twice);
+    * ``"last core"``: the last block's attention core (materialised), its MLP freed: the gradients of the
+      scores and of the softmax (``b*a*s^2`` each), v's copy freed; recomputed first under "attention";
+    * ``"segment"`` (full, every_k): a segment's blocks recomputed, the first segment with every later gradient;
+    * ``"embedding"``: every gradient but the embedding's, then its own. A tied embedding's gradient is summed
+      with the LM head's (autograd's ``InputBuffer::add``: both V x h and their sum alive at once); untied, the
+      gradient of the embedding output (Nh) is alive beside it.
+    """
+    e, s, h, a, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.vocab_size
+    N, F, llama, tied = b * s, cfg.mlp_ratio * h, cfg.block == "llama", cfg.tie_embeddings
+    G = param_count(cfg) * e
+    acts = activation_bytes(cfg, b) - head_activation_bytes(cfg, b)  # embeddings and blocks
+    head_grads = V * h * e + (1 if llama else 2) * h * e  # the LM head's weight and the final norm's
+    # the last MLP's backward: the residual stream's gradient, the hidden's gradient(s) and the out-proj weight's
+    mlp_bwd = N * h * e + (2 * N * F * e + F * h * e if llama else N * F * e + F * h * e + h * e)
+    if cfg.dropout > 0:
+        # Llama peaks at SwiGLU's product, after the dropout's noise and gradient are gone; under "selective"
+        # the kept out-projection output goes once the recomputed dropout has used it
+        mlp_bwd -= N * h * e * (llama + (cfg.checkpoint == "selective"))
+        if not llama and cfg.checkpoint in ("selective", "full", "every_k"):
+            mlp_bwd -= h * e  # a recomputed block peaks at the out-projection before its bias gradient
+    moments = {"head": activation_bytes(cfg, b) - 4 + 2 * N * V * 4}  # the loss's 4-byte total weight freed
     none = layer_activation_bytes(cfg, b, "none")
     if cfg.checkpoint in ("full", "every_k"):
-        k = cfg.checkpoint_every if cfg.checkpoint == "every_k" else 1
-        segment = k * none + mlp_grads + N * h * e
-        first = G - k * block_parameter_bytes(cfg) + F * h * e + segment  # last segment recomputed, grads in
-        last = (A - A_head) + segment + F * h * e  # first segment recomputed, every input still kept
-        block_bwd = max(first, last)
-    elif cfg.checkpoint in ("selective", "attention"):
-        block_bwd += none - layer_activation_bytes(cfg, b)  # the last block's recomputed part
+        segs = _segments(cfg)
+        live = [k * none + mlp_bwd for k in segs]  # a segment recomputed, its input kept by the checkpoint
+        first = embedding_activation_bytes(cfg, b) + G - _emb_params(cfg) + (V * h * e if tied else 0)
+        first += live[0] - segs[0] * block_parameter_bytes(cfg)
+        moments["segment"] = max(acts + head_grads + live[-1] - N * h * e, first)
+    else:
+        recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if cfg.checkpoint == "selective" else 0
+        moments["last MLP"] = acts + head_grads + recomputed + mlp_bwd
+        if cfg.attn_impl == "manual" or cfg.dropout > 0:
+            terms = block_terms(cfg, b)
+            mlp_done = sum(v for k, v in terms.items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.resid")))
+            grads = head_grads + block_parameter_bytes(cfg) - _qkv_ln1_params(cfg)  # all but qkv's and ln1's
+            ec, dropout = _core_elt(cfg), cfg.dropout > 0
+            scores = b * a * s * s * ec
+            v_saved = _matmul_qkv(cfg, b) - _matmul_qkv(cfg, b, without_v=True)
+            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too (at batch 1 views
+                # of the kept q, k, v: the manual core's three, the math kernel's v)
+                kept = 0 if b > 1 or ec != e else _qkv_storages(cfg, N) if cfg.attn_impl == "manual" else v_saved
+                recomputed = terms["attn"] + terms["attn.attn_drop"] - kept
+            # the residual's gradient and y's (copied to (B, a, s, D)), with dropout the out-proj input's too
+            # ("selective": the kept out-proj output gone, as above); then the gradient of the scores and, without
+            # dropout, the softmax's too, v's storage freed (with dropout the noise and its output go first)
+            grad_paths = 2 + (dropout and cfg.checkpoint != "selective")
+            shared = b == 1 and cfg.attn_impl == "manual" and not llama  # GPT-2's q and k views hold v's storage
+            core_bwd = grad_paths * N * h * e + scores + (0 if dropout else scores - (0 if shared else v_saved))
+            moments["last core"] = acts + recomputed - mlp_done + grads + core_bwd
+    grad_out = N * h * e
+    moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)
+    return moments
+
+
+def _qkv_ln1_params(cfg: ModelConfig) -> int:
+    """Bytes of the qkv projection's and the first norm's parameters (their gradients come last in a block)."""
+    h, qkv = cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+    return (h * qkv + h if cfg.block == "llama" else h * qkv + qkv + 2 * h) * _elt(cfg)
+
+
+def _emb_params(cfg: ModelConfig) -> int:
+    """Bytes of the embedding tables (token, and GPT-2's positions)."""
+    return (cfg.vocab_size + (cfg.seq_len if cfg.block != "llama" else 0)) * cfg.d_model * _elt(cfg)
+
+
+def estimate_step(
+    cfg: ModelConfig,
+    batch_size: int,
+    optimizer: str = "adamw",
+    impl: str = "single",
+    *,
+    autocast: str | None = None,
+    micro_batches: int = 1,
+) -> StepEstimate:
+    """Predicted peak of each phase of step 1 and of later steps (``phase_peaks[(1 or 2, phase)]``), in bytes.
+
+    Autocast and gradient accumulation are not modelled (autocast's casts and saved dtypes follow per-op rules; a
+    second micro-batch adds a gradient sum per parameter): they are refused with a ValueError, and the dry run
+    (``dryrun.dry_run_config``) measures them instead.
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if autocast is not None:
+        raise ValueError(
+            f"estimate_step does not model autocast (got {autocast!r}): which ops run in 16 bits and what they "
+            "save follows torch's per-op lists; dry-run the step instead (dryrun.dry_run_config(..., autocast=...))"
+        )
+    if micro_batches != 1:
+        raise ValueError(
+            f"estimate_step models one micro-batch per step, got micro_batches={micro_batches!r}: accumulation "
+            "adds each later micro-batch's gradient to .grad; dry-run it instead (train.track_steps under a dry run)"
+        )
+    e, b, N = _elt(cfg), batch_size, batch_size * cfg.seq_len
+    P, G = parameter_bytes(cfg), param_count(cfg) * e
+    O = optimizer_state_bytes(cfg, optimizer)  # noqa: E741
+    batch = 2 * N * 8  # the inputs and the targets, int64
+    A = activation_bytes(cfg, b)
+    backward = 8 + max(backward_moments(cfg, b).values())  # + the loss and the gradient backward starts from
     temps = optimizer_temporaries(cfg, optimizer, impl)
     peaks = {}
     for step, state in ((1, 0), (2, O)):
-        peaks[(step, "forward")] = P + state + A + logits
-        peaks[(step, "backward")] = P + state + max(head_bwd, block_bwd)
-        peaks[(step, "optimizer")] = P + G + O + temps
+        peaks[(step, "forward")] = P + state + batch + max(forward_moments(cfg, b).values())
+        peaks[(step, "backward")] = P + state + batch + backward
+        peaks[(step, "optimizer")] = P + G + O + batch + 4 + temps  # the loss is let go after zero_grad
     return StepEstimate(P, G, O, A, peaks)
 
 

@@ -1,48 +1,32 @@
 """Will a training step fit on a GPU, which phase runs out first, and the cheapest fix: all predicted on this
 machine's CPU with dry runs (:mod:`anatomy_helpers.dryrun`: the tracked step on fake tensors, exact for every
 category but kernel scratch), so it works for models far larger than the machine. Lesson 06 teaches it and the CLI's
-``predict`` command prints it.
+``predict`` command prints it; the ranked fixes are in :mod:`anatomy_helpers.fixes`.
 
-Two further things a GPU adds, both stated as assumptions rather than measured:
+The devices, their memory as the driver reports it and the CUDA context's share, are in
+:mod:`anatomy_helpers.devices`. The **caching allocator** rounds requests and keeps segments, so it reserves more
+than the tensors need: we replay the dry run's allocation record through the allocator simulator
+(:func:`anatomy_helpers.allocator.replay`), a simulation of the allocator's rules, not a measurement.
 
-* the **CUDA context** (the driver, the kernels' code, cuBLAS/cuDNN handles) takes memory outside PyTorch's
-  allocator before any tensor exists; :data:`CUDA_CONTEXT_BYTES` is our allowance for it (0.5 GiB; it varies with
-  the GPU, the driver and the libraries loaded, from ~0.3 to over 1 GiB);
-* the **caching allocator** rounds requests and keeps segments, so it reserves more than the tensors need. We
-  estimate that overhead by replaying the dry run's allocation record through the allocator simulator
-  (:func:`anatomy_helpers.allocator.replay`): a simulation of the allocator's rules, not a measurement.
+The dry run follows the CPU kernels' rules (what autograd saves, autocast's op lists): where CUDA's differ, the
+prediction for a GPU is off by that difference (see each fix's note).
 
 Bytes everywhere unless a name says otherwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from .allocator import replay, replay_with_limit
-from .dryrun import build_fake_model, course_batch, dry_run_config, gpt_loss
+from .devices import Device, get_device
+from .dryrun import dry_run_config
 from .model import GPT, ModelConfig
 from .tables import Col, format_table
 from .trace import Trace
-from .units import GiB, pick_unit
-
-#: Our allowance for the CUDA context (outside the caching allocator): an assumption, see the module docstring.
-CUDA_CONTEXT_BYTES = GiB // 2
-
-#: Marketed memory of common GPUs, read as 10**9 bytes per GB (torch reports a little less or more: ECC, rounding;
-#: "this GPU" reads the real figure with ``torch.cuda.mem_get_info``).
-DEVICES = {
-    "T4 16 GB": 16 * 10**9,
-    "L4 24 GB": 24 * 10**9,
-    "A100 40 GB": 40 * 10**9,
-    "A100 80 GB": 80 * 10**9,
-    "H100 80 GB": 80 * 10**9,
-    "H200 141 GB": 141 * 10**9,
-}
+from .units import pick_unit
 
 #: Optimizer implementations and the (foreach, fused) flags that pick them.
 IMPLEMENTATION_FLAGS = {"single": (False, None), "foreach": (True, None), "fused": (None, True)}
@@ -51,22 +35,10 @@ IMPLEMENTATION_FLAGS = {"single": (False, None), "foreach": (True, None), "fused
 STEP_PHASES = tuple((s, p) for s in (1, 2) for p in ("forward", "backward", "optimizer"))
 
 
-def devices() -> dict[str, int]:
-    """:data:`DEVICES`, plus ``"this GPU"`` (its total memory, from ``torch.cuda.mem_get_info``) when CUDA is here."""
-    out = dict(DEVICES)
-    if torch.cuda.is_available():
-        out["this GPU"] = torch.cuda.mem_get_info()[1]
-    return out
-
-
-def usable_bytes(device: str | int) -> int:
-    """A device's memory (a name in :func:`devices`, or bytes) minus :data:`CUDA_CONTEXT_BYTES`."""
-    if isinstance(device, str):
-        known = devices()
-        if device not in known:
-            raise ValueError(f"device must be one of {tuple(known)} or a number of bytes, got {device!r}")
-        device = known[device]
-    return int(device) - CUDA_CONTEXT_BYTES
+def size_text(nbytes: int) -> str:
+    """``nbytes`` in the unit that suits it: "114.97 MiB", "14.50 GiB"."""
+    unit, scale = pick_unit(nbytes)
+    return f"{nbytes / scale:,.2f} {unit}"
 
 
 @dataclass(frozen=True)
@@ -90,13 +62,14 @@ class FitReport:
     """
 
     label: str
-    device: str
-    capacity: int
-    usable: int  # capacity - CUDA_CONTEXT_BYTES
+    device: str  # the device's name
+    capacity: int  # its total memory, as the driver reports it
+    usable: int  # capacity - the CUDA context's share
     phases: tuple[PhaseNeed, ...]  # step 1 and step 2, forward / backward / optimizer, in time order
     failure: tuple[int, str] | None  # (step, phase) where the capped simulated allocator ran out, or None
     reserved_extra: int = 0  # bytes kept out of the cap for tensors the dry run does not make (accumulation)
     note: str = ""
+    context_note: str = "CUDA context (assumed)"
 
     @property
     def fits(self) -> bool:
@@ -118,23 +91,17 @@ class FitReport:
 
     def verdict(self) -> str:
         """One sentence: fits (with the margin) or which phase of which step runs out first."""
-        unit, scale = pick_unit(max(self.usable, self.peak.tensors))
         pk = self.peak
         head = f"{self.label} on {self.device}: "
+        peak = f"{size_text(pk.tensors)} of tensors (step {pk.step} {pk.phase})"
         if self.failure is None:
-            return (
-                head + f"FITS. Peak {pk.tensors / scale:.2f} {unit} of tensors (step {pk.step} {pk.phase}) "
-                f"within {self.usable / scale:.2f} {unit} usable"
-            )
+            return head + f"FITS. Peak {peak} within {size_text(self.usable)} usable"
         step, phase = self.failure
         where = "before step 1 (the model itself)" if step == 0 else f"in step {step}'s {phase} pass"
-        return (
-            head + f"DOES NOT FIT: runs out first {where}; peak {pk.tensors / scale:.2f} {unit} of tensors "
-            f"(step {pk.step} {pk.phase}) against {self.usable / scale:.2f} {unit} usable"
-        )
+        return head + f"DOES NOT FIT: runs out first {where}; peak {peak} against {size_text(self.usable)} usable"
 
     def table(self) -> str:
-        unit, scale = pick_unit(max(self.usable, self.peak.tensors))
+        unit, scale = pick_unit(max(p.reserved for p in self.phases))  # the rows' unit suits the step, not the GPU
         cols = [Col("step", 4), Col("phase", 9, align="<", gap="  "), Col("tensors", 9, ".2f")]
         cols += [Col("reserved", 9, ".2f"), Col("tensors fit", 11)]
         rows = [
@@ -142,14 +109,14 @@ class FitReport:
             for p in self.phases
         ]
         kept = (
-            f"; the allocator replay is capped {self.reserved_extra / scale:.2f} {unit} lower, kept for the "
+            f"; the allocator replay is capped {size_text(self.reserved_extra)} lower, kept for the "
             "accumulated gradients and the whole batch's inputs"
             if self.reserved_extra
             else ""
         )
         footer = [
-            f"usable on {self.device}: {self.usable / scale:.2f} {unit} = {self.capacity / scale:.2f} {unit} "
-            f"- {CUDA_CONTEXT_BYTES / scale:.2f} {unit} CUDA context (assumed){kept}",
+            f"usable on {self.device}: {size_text(self.usable)} = {size_text(self.capacity)} "
+            f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}",
             self.verdict(),
         ]
         if self.note:
@@ -158,13 +125,14 @@ class FitReport:
         return format_table(cols, rows, note=note, footer=footer)
 
 
-def phase_needs(trace: Trace, extra: dict[str, dict[str, int]] | None = None) -> tuple[PhaseNeed, ...]:
+def phase_needs(trace: Trace, extra: dict[str, dict[str, int]] | None = None, rep=None) -> tuple[PhaseNeed, ...]:
     """Step 1's and step 2's phases of a dry run: tensor peaks, and the simulated allocator's reserved bytes at them.
 
     ``extra`` adds bytes to a phase's tensors (phase name -> category -> bytes: what gradient accumulation keeps
-    alive beyond a plain step of one micro-batch, see :func:`cheapest_fix`).
+    alive beyond a plain step of one micro-batch, see :func:`cheapest_fix`). ``rep``: the uncapped
+    :func:`~anatomy_helpers.allocator.replay` of the trace's record, if already made.
     """
-    rep = replay(trace.allocation_record())
+    rep = replay(trace.allocation_record()) if rep is None else rep
     n0 = len(trace.baseline_ids)  # the record's first rows are the storages alive at the start
     out = []
     for step, phase in STEP_PHASES:
@@ -182,12 +150,77 @@ def phase_needs(trace: Trace, extra: dict[str, dict[str, int]] | None = None) ->
 def describe(cfg: ModelConfig, batch_size: int, optimizer: str, implementation: str, autocast: str | None) -> str:
     """A short label of a configuration."""
     parts = [f"{cfg.block} {cfg.n_layer}x{cfg.d_model}", f"b={batch_size} s={cfg.seq_len}", cfg.dtype]
+    if cfg.mlp_ratio != 4:
+        parts.append(f"MLP {cfg.mlp_ratio}h")
+    if not cfg.tie_embeddings:
+        parts.append("untied head")
+    if cfg.dropout:
+        parts.append(f"dropout {cfg.dropout:g}")
     if autocast:
         parts.append(f"autocast {autocast}")
     parts.append(f"{optimizer} ({implementation})")
     if cfg.checkpoint != "none":
-        parts.append(f"checkpoint {cfg.checkpoint}")
+        every = f" {cfg.checkpoint_every}" if cfg.checkpoint == "every_k" else ""
+        parts.append(f"checkpoint {cfg.checkpoint}{every}")
     return ", ".join(parts)
+
+
+#: A dry run replays every layer's ops (about 0.1 s per layer and step at 7B's width on one core): beyond this,
+#: minutes.
+MAX_LAYERS = 1024
+#: Refuse configurations whose parameters and logits alone need more than this many times the device's memory:
+#: no dry run is needed to say they cannot fit, and their sizes approach what int64 tensor sizes can hold.
+MAX_OVER_DEVICE = 1024
+
+
+def check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches=1) -> Device:
+    """Check every argument before any work; returns the Device. ValueError names the argument and says why."""
+    from .formulas import param_count
+    from .train import OPTIMIZERS
+
+    dev = get_device(device)
+    if dev.usable <= 0:
+        raise ValueError(
+            f"device {dev.name} has no memory left once the {dev.context_note()} takes {size_text(dev.context)}"
+        )
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if batch_size % micro_batches:
+        raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches})")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if implementation not in IMPLEMENTATION_FLAGS:
+        raise ValueError(f"implementation must be one of {tuple(IMPLEMENTATION_FLAGS)}, got {implementation!r}")
+    if autocast not in (None, "bfloat16", "float16"):
+        raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
+    if cfg.n_layer > MAX_LAYERS:
+        raise ValueError(
+            f"n_layer must be at most {MAX_LAYERS} for a dry run (it replays every layer), got {cfg.n_layer}"
+        )
+    element = cfg.torch_dtype.itemsize
+    least = (param_count(cfg) + batch_size * cfg.seq_len * cfg.vocab_size) * element  # parameters + logits
+    if least > MAX_OVER_DEVICE * dev.total:
+        raise ValueError(
+            f"{describe(cfg, batch_size, optimizer, implementation, autocast)} needs at least {size_text(least)} "
+            f"for its parameters and logits alone, over {MAX_OVER_DEVICE} times the {size_text(dev.total)} of "
+            f"{dev.name}: it cannot fit, and no dry run is needed to say so"
+        )
+    return dev
+
+
+def precision_note(cfg: ModelConfig, autocast: str | None, device: Device) -> str:
+    """A warning where the run asks for bfloat16 on a GPU without native bf16 (compute capability < 8.0)."""
+    if device.bf16_native is False and "bfloat16" in (autocast, cfg.dtype):
+        major, minor = device.capability
+        return (
+            f"note: {device.name} (compute capability {major}.{minor}) has no native bfloat16 (from 8.0 on); "
+            "use float16 autocast with a GradScaler there"
+        )
+    return ""
 
 
 def will_it_fit(
@@ -197,200 +230,78 @@ def will_it_fit(
     optimizer: str = "adamw",
     implementation: str = "foreach",
     autocast: str | None = None,
-    device: str | int = "T4 16 GB",
+    device: str | int | Device = "t4",
+    micro_batches: int = 1,
 ) -> FitReport:
     """Dry-run two steps of ``cfg``; say whether they fit on ``device`` and, if not, which phase runs out first.
 
+    ``device``: a short name (:data:`~anatomy_helpers.devices.DEVICES`: "t4", "l4", "a100-40", "a100-80", "h100",
+    "h200"), "this GPU" (CUDA only), a total in bytes, or a :class:`~anatomy_helpers.devices.Device`.
     ``implementation`` is the optimizer's ("single", "foreach": torch's CUDA default, "fused"). Usable memory is
-    the device's minus :data:`CUDA_CONTEXT_BYTES`; the verdict replays the dry run's allocations through the
+    the device's minus the CUDA context's share; the verdict replays the dry run's allocations through the
     caching-allocator simulator capped at it (see :class:`FitReport`). Kernel scratch (cuBLAS workspaces, attention
     kernels' scratch) is not in a dry run: keep a margin.
+
+    ``micro_batches=k`` (gradient accumulation, ``batch_size`` the global batch): the dry run has no micro-batches,
+    so it runs one micro-batch and adds what accumulation keeps alive, an upper bound (see :func:`fit_run`).
     """
     cfg = cfg if cfg is not None else ModelConfig()
-    return _fit(cfg, batch_size, optimizer, implementation, autocast, device)
+    dev = check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches)
+    note = precision_note(cfg, autocast, dev)
+    return fit_run(DryRuns(), cfg, batch_size, optimizer, implementation, autocast, dev, micro_batches, note)
 
 
-def _fit(cfg, batch_size, optimizer, implementation, autocast, device, grads=0, inputs=0, label_suffix="", note=""):
-    if implementation not in IMPLEMENTATION_FLAGS:
-        raise ValueError(f"implementation must be one of {tuple(IMPLEMENTATION_FLAGS)}, got {implementation!r}")
-    usable = usable_bytes(device)  # checks the device name first
-    foreach, fused = IMPLEMENTATION_FLAGS[implementation]
-    trace = dry_run_config(
-        cfg, optimizer=optimizer, foreach=foreach, fused=fused, batch_size=batch_size, autocast=autocast, steps=2
-    )
-    name = device if isinstance(device, str) else f"{device / GiB:.1f} GiB"
-    capacity = devices()[device] if isinstance(device, str) else int(device)
-    label = describe(cfg, batch_size, optimizer, implementation, autocast) + label_suffix
-    both = {"gradients": grads, "inputs": inputs}
-    extra = {"forward": both, "backward": both, "optimizer": {"inputs": inputs}}
-    limit = usable - grads - inputs
-    capped = replay_with_limit(trace.allocation_record(), limit) if limit > 0 else None
-    failure = (0, "idle") if capped is None else None if capped.passed else (capped.step, capped.phase)
-    return FitReport(label, name, capacity, usable, phase_needs(trace, extra), failure, grads + inputs, note)
+class DryRuns:
+    """Dry runs and their uncapped allocator replays, kept while candidates are compared: two candidates that
+    share a configuration (a micro-batch and a smaller global batch of the same size) share one dry run."""
 
+    def __init__(self):
+        self._done: dict[tuple, tuple] = {}
 
-# ---- the cheapest fix --------------------------------------------------------------------------------------
-
-
-_FLOPS: dict[tuple, int] = {}
-
-
-def step_flops(cfg: ModelConfig, batch_size: int, autocast: str | None = None) -> int:
-    """FLOPs of one forward + backward of ``cfg`` (matrix multiplications and attention, as torch's
-    ``FlopCounterMode`` counts them), on fake tensors: checkpointing's recomputation is counted, the optimizer
-    (element-wise, a few FLOPs per parameter) is not; nor are element-wise ops (what "selective" recomputes)."""
-    key = (repr(cfg), batch_size, autocast)
-    if key not in _FLOPS:
-        _FLOPS[key] = _count_flops(cfg, batch_size, autocast)
-    return _FLOPS[key]
-
-
-def _count_flops(cfg: ModelConfig, batch_size: int, autocast: str | None) -> int:
-    mode = FakeTensorMode()
-    model = build_fake_model(lambda: GPT(cfg), mode)
-    mixed = torch.autocast("cpu", dtype=getattr(torch, autocast)) if autocast else None
-    with mode, FlopCounterMode(display=False) as counter:
-        batch = course_batch(batch_size, cfg.seq_len)
-        if mixed is not None:
-            with mixed:
-                loss = gpt_loss(model, batch)
-        else:
-            loss = gpt_loss(model, batch)
-        loss.backward()
-    return int(counter.get_total_flops())
-
-
-@dataclass(frozen=True)
-class Fix:
-    """One candidate change, verified by a dry run, and what it costs."""
-
-    name: str
-    report: FitReport
-    extra_flops: float  # FLOPs per global batch relative to the original, minus 1 (0.33 = a third more)
-    changes_training: bool  # True when the maths of training changes (another optimizer), not only its cost
-    note: str
-    micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step
-
-    @property
-    def fits(self) -> bool:
-        return self.report.fits
-
-
-def _fix_sort_key(fix: Fix):
-    # fewer micro-batches first at equal FLOPs: small matrix multiplications use a GPU less well
-    return (not fix.fits, fix.changes_training, round(fix.extra_flops, 3), fix.micro_batches, fix.report.peak.tensors)
-
-
-def cheapest_fix(
-    cfg: ModelConfig | None = None,
-    batch_size: int = 8,
-    *,
-    optimizer: str = "adamw",
-    implementation: str = "foreach",
-    autocast: str | None = None,
-    device: str | int = "T4 16 GB",
-) -> list[Fix]:
-    """Candidate changes that lower the peak, each checked by another dry run, ranked: the ones that fit first,
-    then those that keep the training maths, then by extra FLOPs (measured with ``FlopCounterMode``).
-
-    * **Micro-batches with gradient accumulation** (global batch kept; 2, 4, 8, ... dividing the batch, up to the
-      first that fits): ``dry_run_config`` has no micro-batches,
-      so we dry-run the smaller batch and add the whole gradient bytes to its forward and backward, and the rest
-      of the global batch's inputs (``track_steps`` slices micro-batches out of it) to every phase: an upper bound
-      (from the second micro-batch on, the accumulated gradients are alive throughout; tests/test_prediction.py
-      checks it against ``track_steps(micro_batches=k)``); parameters, gradients and optimizer state are
-      unchanged; the same FLOPs per global batch (smaller matrix multiplications run less efficiently: a time
-      cost FLOPs do not show);
-    * **Activation checkpointing**: "attention" (only where the ``s^2`` scores are kept), "selective", "full";
-    * **The fused optimizer** (no temporaries; same maths) and **SGD with momentum** (half of Adam's state; another
-      optimizer: changes training);
-    * **bf16 autocast** (mixed precision: the fp32 parameters stay the master weights, activations are bf16).
-      Pure bf16 parameters with a separate fp32 master copy needs a custom optimizer, which ``dry_run_config``
-      cannot build: not offered.
-    """
-    cfg = cfg if cfg is not None else ModelConfig()
-    kw = dict(optimizer=optimizer, implementation=implementation, autocast=autocast, device=device)
-    base_flops = step_flops(cfg, batch_size, autocast)
-    fixes = []
-
-    def add(name, new_cfg, b, note, changes_training=False, grads=0, inputs=0, micro=1, **over):
-        run = {**kw, **over}
-        suffix = f" x {micro} micro-batches" if micro > 1 else ""
-        report = _fit(
-            new_cfg,
-            b,
-            run["optimizer"],
-            run["implementation"],
-            run["autocast"],
-            run["device"],
-            grads,
-            inputs,
-            suffix,
-            note,
-        )
-        flops = micro * step_flops(new_cfg, b, run["autocast"])
-        fixes.append(Fix(name, report, flops / base_flops - 1, changes_training, note, micro))
-
-    k = 2
-    while k <= batch_size and not any(f.fits and f.micro_batches > 1 for f in fixes):  # the fewest that fit
-        if batch_size % k == 0:
-            grads = _gradient_bytes(cfg)
-            add(
-                f"micro-batch {batch_size // k} x {k} (accumulate)",
-                cfg,
-                batch_size // k,
-                "gradients added to every forward/backward (upper bound); same global batch",
-                grads=grads,
-                inputs=2 * 8 * cfg.seq_len * (batch_size - batch_size // k),  # x and y (int64) of the whole batch
-                micro=k,
+    def get(self, cfg: ModelConfig, batch_size: int, optimizer: str, implementation: str, autocast: str | None):
+        key = (repr(cfg), batch_size, optimizer, implementation, autocast)
+        if key not in self._done:
+            foreach, fused = IMPLEMENTATION_FLAGS[implementation]
+            trace = dry_run_config(
+                cfg, optimizer=optimizer, foreach=foreach, fused=fused, batch_size=batch_size, autocast=autocast
             )
-        k *= 2
-    scores_kept = cfg.attn_impl == "manual" or cfg.dropout > 0  # sdpa without dropout keeps no s^2 scores
-    for policy in ("attention", "selective", "full") if scores_kept else ("selective", "full"):
-        if cfg.checkpoint != policy:
-            add(f"checkpoint={policy}", replace(cfg, checkpoint=policy), batch_size, "recomputes in backward")
-    if implementation != "fused" and optimizer in ("adam", "adamw"):
-        add("fused optimizer", cfg, batch_size, "no optimizer temporaries; same maths", implementation="fused")
-    if optimizer in ("adam", "adamw"):
-        add(
-            "SGD with momentum",
-            cfg,
-            batch_size,
-            "one state buffer instead of two: another optimizer",
-            changes_training=True,
-            optimizer="momentum",
-        )
-    if autocast is None and cfg.dtype == "float32":
-        add("bf16 autocast", cfg, batch_size, "fp32 master weights, bf16 activations", autocast="bfloat16")
-    return sorted(fixes, key=_fix_sort_key)
+            self._done[key] = trace, replay(trace.allocation_record())
+        return self._done[key]
 
 
-def _gradient_bytes(cfg: ModelConfig) -> int:
+def gradient_bytes(cfg: ModelConfig) -> int:
+    """Bytes of all the model's gradients (one per trainable parameter, in its dtype)."""
     with torch.device("meta"):
         model = GPT(cfg)
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def fixes_table(fixes: list[Fix]) -> str:
-    """The candidates, ranked as :func:`cheapest_fix` ranks them."""
-    unit, scale = pick_unit(max(f.report.peak.tensors for f in fixes))
-    cols = [
-        Col("rank", 4),
-        Col("change", 34, align="<", gap="  "),
-        Col("peak", 8, ".2f"),
-        Col("fits", 5),
-        Col("extra FLOPs", 11, "+.0%"),
-        Col("note", 60, align="<", gap="  "),
-    ]
-    rows = [
-        (
-            i,
-            f.name,
-            f.report.peak.tensors / scale,
-            "yes" if f.fits else "no",
-            f.extra_flops,
-            ("CHANGES TRAINING: " if f.changes_training else "") + f.note,
-        )
-        for i, f in enumerate(fixes, 1)
-    ]
-    return format_table(cols, rows, note=f"({unit} of tensors at the peak; fits: simulated allocator under the cap)")
+def fit_run(runs, cfg, batch_size, optimizer, implementation, autocast, dev, micro_batches=1, note="") -> FitReport:
+    """The :class:`FitReport` of one configuration on ``dev``, from ``runs`` (a :class:`DryRuns`).
+
+    ``micro_batches=k``: the dry run of one micro-batch (``batch_size // k`` rows), with the whole gradients added to
+    its forward and backward and the rest of the global batch's inputs (``track_steps`` slices micro-batches out of
+    it) to every phase, and the allocator's cap lowered by both: an upper bound (from the second micro-batch on,
+    the accumulated gradients are alive throughout; tests/test_prediction.py checks it against
+    ``track_steps(micro_batches=k)``).
+    """
+    b = batch_size // micro_batches
+    trace, rep = runs.get(cfg, b, optimizer, implementation, autocast)
+    grads = gradient_bytes(cfg) if micro_batches > 1 else 0
+    inputs = 2 * 8 * cfg.seq_len * (batch_size - b)  # x and y (int64) of the rest of the global batch
+    suffix = f" x {micro_batches} micro-batches" if micro_batches > 1 else ""
+    label = describe(cfg, b, optimizer, implementation, autocast) + suffix
+    both = {"gradients": grads, "inputs": inputs}
+    extra = {"forward": both, "backward": both, "optimizer": {"inputs": inputs}}
+    limit = dev.usable - grads - inputs
+    if limit <= 0:
+        failure = (0, "idle")
+    elif len(rep.reserved) and rep.reserved.max() <= limit:
+        # The uncapped replay never reserves more than the cap, so the capped one never flushes its cache: the
+        # same replay, which passes. (Replaying it again would give the same answer, at a cost.)
+        failure = None
+    else:
+        capped = replay_with_limit(trace.allocation_record(), limit)
+        failure = None if capped.passed else (capped.step, capped.phase)
+    needs = phase_needs(trace, extra, rep)
+    return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note())

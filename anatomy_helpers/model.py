@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checkpointing import attention_core, check_policy, offload_context, recomputes_blocks, run_checkpointed
+from .checks import positive_int
 from .data import get_tokenizer, max_seq_len
 from .formulas import param_count
 
@@ -46,9 +47,7 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+            positive_int(f"ModelConfig.{name}", getattr(self, name))
         if self.d_model % self.n_head:
             raise ValueError(
                 f"ModelConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head}) "

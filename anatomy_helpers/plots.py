@@ -12,8 +12,9 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.text import Annotation
 
+from .records import NO_MODULE
 from .trace import CATEGORIES, PHASES, Trace
-from .units import pick_unit
+from .units import format_bytes, pick_unit
 
 CATEGORY_COLORS = {
     "parameters": "#0072B2",  # blue
@@ -29,6 +30,7 @@ CATEGORY_COLORS = {
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
 PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+OUTSIDE_MODULES = "(no module)"  # how plots name memory allocated while no module of the model ran (the batch, say)
 
 
 class CourseFigure(Figure):
@@ -59,6 +61,29 @@ def stack_categories(ax, xs, bytes_by_category: np.ndarray, scale: float) -> Non
         labels=[CATEGORY_LABELS[CATEGORIES[j]] for j in shown],
         step="post",
         linewidth=0,
+    )
+
+
+def legend_of_all(axes, target) -> None:
+    """One category legend, on ``target`` (right of it), listing every category drawn in any of ``axes``, each once
+    and in CATEGORIES order; the panels' own legends are removed. A multi-panel figure that kept one panel's legend
+    would leave unexplained the colours that only other panels draw."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+    labels = [CATEGORY_LABELS[c] for c in CATEGORIES if CATEGORY_LABELS[c] in entries]
+    labels += [label for label in entries if label not in labels]
+    target.legend(
+        [entries[label] for label in labels],
+        labels,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        title="category",
+        title_fontsize=8,
     )
 
 
@@ -151,20 +176,23 @@ def plot_module_bars(
     rows = trace.live_by_module(index, depth=depth)
     names = sorted(rows, key=_module_sort_key)
     fig, ax = _new_axes(ax, (9, 0.35 * len(names) + 1.6))
-    unit, scale = pick_unit(max(sum(r.values()) for r in rows.values()) if rows else 0)
+    widest = max(sum(r.values()) for r in rows.values()) if rows else 0
+    unit, scale = pick_unit(widest)
     left = np.zeros(len(names))
     ys = np.arange(len(names))
     for c in CATEGORIES:
         vals = np.array([rows[n][c] for n in names]) / scale
-        if vals.any():
-            ax.barh(ys, vals, left=left, color=CATEGORY_COLORS[c], label=CATEGORY_LABELS[c])
+        if vals.any():  # the total in the label: a category too small to see as a bar is still accounted for
+            label = f"{CATEGORY_LABELS[c]} ({format_bytes(sum(rows[n][c] for n in names))})"
+            ax.barh(ys, vals, left=left, color=CATEGORY_COLORS[c], label=label)
         left += vals
-    ax.set_yticks(ys, names)
+    ax.set_yticks(ys, [OUTSIDE_MODULES if n == NO_MODULE else n for n in names])
     ax.invert_yaxis()
-    ax.margins(x=0.08)
+    ax.set_xlim(0, 1.05 * widest / scale if widest else 1)
     ax.set_xlabel(f"live bytes allocated by the module ({unit})")
+    ax.set_ylabel("module that allocated them")
     ax.set_title(f"Memory by module at the {when}")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category (total)", title_fontsize=8)
     return fig
 
 
@@ -177,7 +205,7 @@ def plot_timelines(traces: dict[str, Trace], title: str | None = None):
     axes = np.atleast_1d(fig.subplots(len(traces), 1))
     top = max(t.timeline.total.max() for t in traces.values())
     unit, scale = pick_unit(top)
-    for i, (ax, (label, trace)) in enumerate(zip(axes, traces.items())):
+    for ax, (label, trace) in zip(axes, traces.items()):
         plot_timeline(trace, ax=ax, title=label)
         own_top = ax.get_ylim()[1]
         ax.set_ylim(0, top / scale * 1.18)
@@ -187,8 +215,7 @@ def plot_timelines(traces: dict[str, Trace], title: str | None = None):
                     text.xyann = (18, 12)
             else:  # phase and step labels sit near the top: move them to the shared top
                 text.set_y(text.get_position()[1] / own_top * ax.get_ylim()[1])
-        if i:
-            ax.get_legend().remove()  # one legend is enough
+    legend_of_all(axes, axes[0])  # one legend, with what any panel draws (only checkpointing recomputes, say)
     if title:
         fig.suptitle(title)
     return fig
@@ -230,7 +257,7 @@ def plot_optimizer_phase(traces: Trace | dict[str, Trace], steps: tuple[int, ...
         )
     axes[0].set_ylabel(f"live tensor memory ({unit})")
     axes[0].set_ylim(0, top / scale * 1.3)
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category", title_fontsize=8)
+    legend_of_all(axes, axes[-1])
     fig.suptitle(title or "The optimizer phase: optimizer.step() through zero_grad()")
     return fig
 

@@ -34,7 +34,7 @@ benchmarks/tracker_overhead.py.
 
 from __future__ import annotations
 
-import math
+import threading
 import time
 
 import torch
@@ -42,6 +42,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import checkpointing
+from .checks import positive_number
+from .interrupts import DeferredInterrupt
 from .recorder import MemoryBudgetExceeded, Recorder  # noqa: F401  (MemoryBudgetExceeded: re-exported)
 from .records import (
     ACTIVATIONS,
@@ -148,13 +150,8 @@ class StepTracker(Recorder):
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         if not any(id(p) in model_params for p in opt_params):
             raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer of this model")
-        if budget_bytes is not None and (
-            isinstance(budget_bytes, bool)
-            or not isinstance(budget_bytes, (int, float))
-            or not math.isfinite(budget_bytes)
-            or budget_bytes <= 0
-        ):
-            raise ValueError(f"budget_bytes must be a positive, finite number of bytes, got {budget_bytes!r}")
+        if budget_bytes is not None:
+            positive_number("budget_bytes", budget_bytes)
         self.model, self.optimizer, self.budget_bytes = model, optimizer, budget_bytes
         self.accumulate = bool(accumulate)
         first = next(iter(model.parameters()), None)
@@ -167,6 +164,8 @@ class StepTracker(Recorder):
         self._trace: Trace | None = None
         self._active = False
         self._undo: list = []  # what __enter__ installed, each as a function that removes it again
+        self._interrupt = DeferredInterrupt()  # Ctrl-C waits for a safe point: a module, a gradient, the optimizer
+        self._thread: int | None = None  # the thread the `with` block runs in
 
     # ---- entering and leaving -------------------------------------------------
     def __enter__(self) -> StepTracker:
@@ -181,6 +180,12 @@ class StepTracker(Recorder):
             )
         self._reset_records()
         self._active = True
+        self._thread = threading.get_ident()
+        # Held from here until the teardown is complete: a Ctrl-C never splits the bookkeeping, a weak-reference
+        # callback or the undo of what is installed. It is raised from the tracker's Python hooks (a module's
+        # forward, a gradient landing, the optimizer step) or when the block ends, never from inside an op:
+        # under a dry run, an exception raised in an op that torch's C++ called can abort the process.
+        self._interrupt.start()
         try:
             self._install(self._claim, self._release)
             if self.kernel_scratch:
@@ -230,25 +235,35 @@ class StepTracker(Recorder):
             del self.model._anatomy_tracker
 
     def _teardown(self) -> None:
-        """Undo exactly what was installed, newest first, whatever fails on the way; then build the trace."""
-        errors = []
-        while self._undo:
+        """Undo exactly what was installed, newest first, whatever fails on the way; then build the trace.
+
+        Everything here runs even if one undo fails (a KeyboardInterrupt included: it is re-raised afterwards),
+        so a failed or interrupted block never leaves a hook, a mode or a profiler session behind.
+        """
+        errors: list[BaseException] = []
+        try:
+            while self._undo:
+                try:
+                    self._undo.pop()()
+                except BaseException as e:  # keep undoing the rest; report the first failure afterwards
+                    errors.append(e)
+            if self._active:
+                self._active = False
+                self._end_ns = time.perf_counter_ns()
+                if not hasattr(self, "_n_baseline"):  # failed while registering what was already alive
+                    self._n_baseline = len(self._events)
+                events = self._memory_events[0] if self._memory_events else None
+                self._scratch_recorded = events is not None
+                if events is not None:
+                    self._splice_scratch(events)
+                self._trace = self._build_trace()
+            self._refs.clear()  # dropping the weak refs also drops their callbacks
+            self._live.clear()
+        finally:
             try:
-                self._undo.pop()()
-            except Exception as e:  # keep undoing the rest; report the first failure afterwards
+                self._interrupt.stop()  # gives SIGINT back; raises a Ctrl-C that came in meanwhile
+            except KeyboardInterrupt as e:
                 errors.append(e)
-        if self._active:
-            self._active = False
-            self._end_ns = time.perf_counter_ns()
-            if not hasattr(self, "_n_baseline"):  # failed while registering what was already alive
-                self._n_baseline = len(self._events)
-            events = self._memory_events[0] if self._memory_events else None
-            self._scratch_recorded = events is not None
-            if events is not None:
-                self._splice_scratch(events)
-            self._trace = self._build_trace()
-        self._refs.clear()  # dropping the weak refs also drops their callbacks
-        self._live.clear()
         if errors:
             raise errors[0]
 
@@ -266,6 +281,8 @@ class StepTracker(Recorder):
             self._undo.append(handle.remove)
 
         def root_pre(module, args):
+            self._refuse_other_threads(module)
+            self._interrupt.check()  # a Ctrl-C that came in meanwhile is raised at a module's start
             self._set_phase(FORWARD)
             self._mod_stack.clear()
             self._module = root_code
@@ -284,6 +301,8 @@ class StepTracker(Recorder):
             code = self._code(name)
 
             def pre(module, args, code=code):
+                self._refuse_other_threads(module)
+                self._interrupt.check()
                 self._mod_stack.append(self._module)
                 self._module = code
 
@@ -295,6 +314,7 @@ class StepTracker(Recorder):
             hook(sub.register_forward_hook(post))
 
         def grad_landed(p, name):
+            self._interrupt.check()  # in backward: raised through autograd like any error of a hook
             aid = self._mark(p.grad, GRADIENTS)
             if aid is not None:
                 self._grad_param[aid] = name
@@ -304,10 +324,12 @@ class StepTracker(Recorder):
                 hook(p.register_post_accumulate_grad_hook(lambda p, name=name: grad_landed(p, name)))
 
         def opt_pre(opt, args, kwargs):
+            self._interrupt.check()
             self._set_phase(OPTIMIZER)
             self._module = self._code(OPT_STEP)
 
         def opt_post(opt, args, kwargs):
+            self._interrupt.check()
             self._mark_optimizer_state()
 
         hook(self.optimizer.register_step_pre_hook(opt_pre))
@@ -332,6 +354,16 @@ class StepTracker(Recorder):
                 opt.zero_grad = own  # the user's own, as it was
 
         self._install(lambda: setattr(opt, "zero_grad", zero_grad), restore)
+
+    def _refuse_other_threads(self, module: nn.Module) -> None:
+        # The tracker's dispatch mode and saved-tensor hooks belong to its own thread, but module hooks fire in
+        # every thread: a forward of the tracked model from another thread would add steps to this trace. Inside
+        # backward, autograd may run a checkpoint's recomputation on its own worker thread (CUDA): that is ours.
+        if threading.get_ident() != self._thread and _graph_task_id() == -1:
+            raise RuntimeError(
+                f"{type(module).__name__} is being tracked by a StepTracker in another thread: run it from that "
+                "thread, or after its `with` block has ended (its forward would be merged into that trace)"
+            )
 
     # ---- callbacks from torch -------------------------------------------------------
     def _op_kind(self, func) -> int:

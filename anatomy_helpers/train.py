@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .checks import optional_callable, positive_int, positive_number
 from .data import get_batch, seed_everything
 from .model import GPT, ModelConfig
 from .tracker import StepTracker, Trace
@@ -50,6 +51,9 @@ def make_optimizer(
     CPU and the foreach (multi-tensor) implementation on CUDA. ``fused=True`` asks for
     the fused kernel (one kernel updates every parameter in place).
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
+    positive_number("lr", lr)
     params = model.parameters()
     impl = {"foreach": foreach, "fused": fused}
     if name == "sgd":
@@ -135,7 +139,7 @@ def track_steps(
     ``rank * b`` to ``(rank + 1) * b - 1`` of each global batch (``b = batch_size // world_size``), copied out as
     a data loader would hand them over, in micro-batches of ``b // micro_batches``. ``model`` may be a wrapper
     (DDP) whose ``.module`` is the course GPT. ``tracker``: a StepTracker (or subclass) of this model and
-    optimizer to record with instead of a new one.
+    optimizer to record with instead of a new one (made with ``accumulate=True`` when ``micro_batches > 1``).
 
     ``keep`` is what the loop keeps of each step for logging, in a list that lives through all steps:
     ``"item"``: ``loss.item()``, a Python float (the right way); ``"loss"``: the loss tensor itself, after
@@ -145,17 +149,14 @@ def track_steps(
     With ``budget_bytes`` a step that goes over it raises MemoryBudgetExceeded. Whatever the loop raises
     carries what was recorded up to that moment as its ``.trace``.
     """
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    steps, batch_size = positive_int("steps", steps), positive_int("batch_size", batch_size)
     if keep not in KEEP_CHOICES:
         raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {keep!r}")
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-    if not 0 <= rank < world_size:
+    micro_batches, world_size = positive_int("micro_batches", micro_batches), positive_int("world_size", world_size)
+    optional_callable("after_step", after_step)  # refused now, not after a whole training step
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size), got rank {rank!r} of world_size {world_size!r}")
     if batch_size % (micro_batches * world_size):
         raise ValueError(
@@ -177,6 +178,25 @@ def track_steps(
     scaler = torch.amp.GradScaler(device.type) if autocast == "float16" and device.type == "cuda" else None
     if tracker is None:
         tracker = StepTracker(model, optimizer, budget_bytes=budget_bytes, accumulate=micro_batches > 1)
+    elif (
+        not isinstance(tracker, StepTracker)
+        or tracker.model not in (model, getattr(model, "module", None))  # a DDP wrapper tracks its .module
+        or tracker.optimizer is not optimizer
+    ):
+        # A tracker hooks its own model's modules and optimizer: with another model's, this loop's forward would
+        # go unseen (no forward phase) and its steps would merge.
+        raise ValueError(
+            "tracker must be a StepTracker made for this model and optimizer: StepTracker(model, optimizer, ...)"
+            f", got {type(tracker).__name__}"
+            + (" of another model or optimizer" if isinstance(tracker, StepTracker) else "")
+        )
+    elif micro_batches > 1 and not tracker.accumulate:
+        # Without accumulate, the tracker starts a new step at every forward after a backward: each micro-batch
+        # would be a step of its own (2k steps recorded for 2 of k micro-batches).
+        raise ValueError(
+            f"micro_batches={micro_batches} needs a tracker made with StepTracker(..., accumulate=True), so that "
+            "the micro-batches' forward and backward passes count as one step"
+        )
     with tracker:
         for i in range(steps):
             if keep == "val_loss":

@@ -19,3 +19,11 @@ def round_up(nbytes, multiple: int):
 def pick_unit(nbytes: float) -> tuple[str, int]:
     """('GiB', 2**30) for sizes of 2 GiB and up, else ('MiB', 2**20): the unit a plot or table shows."""
     return ("GiB", GiB) if nbytes >= 2 * GiB else ("MiB", MiB)
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit that keeps it at 1 or more: '512 B', '1.50 KiB', '74.36 MiB'."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:,.0f} B"

@@ -55,9 +55,63 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     for name, p in params.items():
         if name not in built and p.default is not inspect.Parameter.empty:
             built[name] = w.fixed(p.default)
+
+    def measured(**kwargs):
+        figure = fn(**kwargs)
+        _show_digest(fn.__name__, figure)
+        return figure
+
+    measured.__name__ = measured.__qualname__ = fn.__name__
+    measured.__signature__ = inspect.signature(fn)
     # auto_display: show fn's return value (a Figure) under the controls, as `interact` does;
     # a bare `interactive` would only show what fn prints.
-    return w.interactive(fn, {"auto_display": True}, **built)
+    return w.interactive(measured, {"auto_display": True}, **built)
+
+
+#: The CSS class of the hidden element a panel writes after each run (scripts/browser_check.py reads it).
+DIGEST_CLASS = "anatomy-panel-digest"
+
+
+def figure_digest(figure) -> str:
+    """A hash of what a figure draws: the data of its lines, bars, areas and images, not its text.
+
+    A panel that re-measures draws other data when a control moves; one that ignores the control but echoes its
+    value in a title or a printout keeps the same digest (the browser test tells them apart by it).
+    """
+    import hashlib
+
+    import numpy as np
+    from matplotlib.collections import Collection
+    from matplotlib.image import AxesImage
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    h = hashlib.sha256()
+    for ax in getattr(figure, "axes", []):
+        for artist in ax.get_children():
+            if isinstance(artist, Line2D):
+                data = [artist.get_xydata()]
+            elif isinstance(artist, Patch) and artist is not ax.patch:
+                data = [artist.get_path().vertices, artist.get_patch_transform().get_matrix()]
+            elif isinstance(artist, Collection):
+                data = [p.vertices for p in artist.get_paths()] + [artist.get_offsets()]
+            elif isinstance(artist, AxesImage):
+                data = [artist.get_array()]
+            else:
+                continue
+            for a in data:
+                h.update(np.round(np.asarray(a, dtype=float), 6).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _show_digest(name: str, figure) -> None:
+    """Display a hidden element with the panel's name and :func:`figure_digest` (only inside a kernel)."""
+    if not _in_kernel():
+        return
+    from IPython.display import HTML, display
+
+    digest = figure_digest(figure)
+    display(HTML(f'<span class="{DIGEST_CLASS}" data-panel="{name}" data-digest="{digest}" hidden></span>'))
 
 
 def _in_kernel() -> bool:

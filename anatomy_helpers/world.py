@@ -1,31 +1,47 @@
 """Running a world of ranks from a notebook or a test, and reading what the ranks sent back.
 
 :func:`run_world` starts ``world_size`` local processes, each running ``python -m anatomy_helpers.distributed``
-(a free port on 127.0.0.1, a clear error naming the rank that failed, every process killed on the way out), and
-returns each rank's :class:`~anatomy_helpers.distributed.RankResult`. :func:`rank_rows` and
+(a free port on 127.0.0.1, arguments checked before anything starts, a clear error naming the rank that failed or
+hung, every process killed on the way out, and ranks that end themselves if this process dies), and returns each
+rank's :class:`~anatomy_helpers.distributed.RankResult`; :func:`worker_main` is the rank's side. :func:`rank_rows` and
 :func:`format_rank_table` set each rank's measured model states beside the ZeRO paper's formulas
 (:func:`zero_model_states`). Bytes unless a name says otherwise.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import math
 import os
 import pickle
+import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 from .distributed import ZERO_STAGE, RankJob, RankResult
 
 # ---- starting the ranks ---------------------------------------------------------------------------------------
 
+# When the runner gives up on a hung world, each rank still running dumps its Python stack on this signal
+# (faulthandler, which writes from the signal handler itself, even while the main thread is blocked in C++).
+_STACK_SIGNAL = signal.SIGUSR1
+# A rank whose innermost frame is in one of these is waiting for its peers (a collective, DDP's hooks, or
+# backward, where DDP's all-reduce waits), not the one that hung.
+_WAITING_IN = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
+_BACKENDS = ("gloo", "nccl")
+
 
 class RankFailed(RuntimeError):
-    """A rank exited with an error (or the world timed out); every process of the world has been stopped."""
+    """A rank exited with an error (or the world timed out); every process of the world has been stopped.
+    ``rank``: the rank that failed first, or after a time-out the first that was not waiting for the others."""
 
     def __init__(self, message: str, rank: int | None, pids: list[int]):
         super().__init__(message)
@@ -48,6 +64,35 @@ def _check_port(port: int, host: str = "127.0.0.1") -> None:
                 f"port {port} on {host} is taken (another process group or server listens there): "
                 "pass another port, or port=None to pick a free one"
             ) from None
+
+
+def check_jobs(jobs, world_size: int) -> list[RankJob]:
+    """``jobs`` (a RankJob or a non-empty list of them) as a list, each checked against ``world_size`` before any
+    rank starts: every rank must get the same whole number of rows per micro-batch."""
+    jobs = [jobs] if isinstance(jobs, RankJob) else jobs
+    if not isinstance(jobs, (list, tuple)) or not jobs or not all(isinstance(j, RankJob) for j in jobs):
+        raise ValueError(f"jobs must be a RankJob or a non-empty list of RankJob, got {jobs!r}")
+    for job in jobs:
+        if job.batch_size % (world_size * job.micro_batches):
+            raise ValueError(
+                f"{job.strategy}: the global batch ({job.batch_size}) must be a multiple of world_size x "
+                f"micro_batches ({world_size} x {job.micro_batches}), so every rank trains as many rows"
+            )
+    return list(jobs)
+
+
+def _check_args(world_size, port, backend, timeout_s) -> None:
+    def whole(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not whole(world_size) or world_size not in (1, 2, 3, 4):
+        raise ValueError(f"world_size must be an integer from 1 to 4 (ranks on one machine), got {world_size!r}")
+    if port is not None and (not whole(port) or not 1 <= port <= 65535):
+        raise ValueError(f"port must be None (a free one) or an integer from 1 to 65535, got {port!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -80,13 +125,15 @@ def run_world(
 ) -> dict[str, list[RankResult]]:
     """Run ``jobs`` on ``world_size`` local processes (one process group for all jobs, in order).
 
-    Returns ``{strategy: [result of rank 0, rank 1, ...]}`` (jobs with the same strategy: the last one). Raises
+    Returns ``{strategy: [result of rank 0, rank 1, ...]}`` (jobs with the same strategy: the last one). Bad
+    arguments (a batch the ranks cannot split evenly among them) raise ValueError before anything starts. Raises
     :class:`RankFailed` naming the first rank that failed (with the end of its error output) or, after
-    ``timeout_s``, the ranks still running; either way every rank is killed before it returns.
+    ``timeout_s``, the rank that hung (with its stack); either way every rank is killed before it returns. If this
+    process dies (a kernel restart, SIGKILL), the ranks see their end of a pipe close and end themselves, removing
+    the world's temporary folder.
     """
-    jobs = [jobs] if isinstance(jobs, RankJob) else list(jobs)
-    if world_size not in (1, 2, 3, 4):
-        raise ValueError(f"world_size must be 1 to 4 on one machine, got {world_size!r}")
+    _check_args(world_size, port, backend, timeout_s)
+    jobs = check_jobs(jobs, world_size)
     if port is None:
         port = free_port()
     else:
@@ -95,6 +142,7 @@ def run_world(
         with open(os.path.join(tmp, "jobs.pkl"), "wb") as f:
             pickle.dump(jobs, f)
         procs = []
+        watch, alive = os.pipe()  # the ranks hold the read end; ours closes only when we are done or dead
         try:
             for rank in range(world_size):
                 env = dict(
@@ -106,27 +154,28 @@ def run_world(
                     MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port),
                     OMP_NUM_THREADS="1",
+                    ANATOMY_WORLD_WATCH=f"{watch} {os.getpid()}",
                 )
+                cmd = [sys.executable, "-m", "anatomy_helpers.distributed", "--worker", tmp, f"--backend={backend}"]
                 with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:
                     procs.append(
                         subprocess.Popen(
-                            [
-                                sys.executable,
-                                "-m",
-                                "anatomy_helpers.distributed",
-                                "--worker",
-                                tmp,
-                                f"--backend={backend}",
-                            ],
+                            cmd,
                             env=env,
                             stdout=subprocess.DEVNULL,
                             stderr=err,
                             start_new_session=True,
+                            pass_fds=(watch,),
                         )
                     )
+            os.close(watch)
+            watch = None
             _wait(procs, tmp, timeout_s)
         finally:
             _stop(procs)
+            os.close(alive)
+            if watch is not None:
+                os.close(watch)
         results: dict[str, list[RankResult]] = {}
         for rank in range(world_size):
             with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
@@ -135,14 +184,47 @@ def run_world(
         return results
 
 
-def _failure_note(tmp: str, rank: int) -> tuple[float, str]:
-    """(when ``rank`` raised, the end of its traceback), from the note its worker left; (inf, "") without one."""
+def _failure_note(tmp: str, rank: int) -> tuple[float, str, str]:
+    """(when ``rank`` failed, "raise" or "exit CODE", the end of its traceback) from the note its worker left;
+    (inf, "", "") without one."""
     try:
         with open(os.path.join(tmp, f"rank{rank}.failed")) as f:
-            when, _, text = f.read().partition("\n")
-            return float(when), "\n".join(text.rstrip().splitlines()[-12:])
+            head, _, text = f.read().partition("\n")
+            when, _, kind = head.partition(" ")
+            return float(when), kind, "\n".join(text.rstrip().splitlines()[-12:])
     except (OSError, ValueError):
-        return float("inf"), ""
+        return float("inf"), "", ""
+
+
+def _hung_ranks(procs: list[subprocess.Popen], running: list[int], tmp: str) -> tuple[list[int], dict[int, str]]:
+    """Ask each running rank for its stack; (the ranks not waiting for their peers, each rank's main stack)."""
+    for r in running:
+        try:
+            os.kill(procs[r].pid, _STACK_SIGNAL)
+        except ProcessLookupError:
+            pass
+    paths = {r: os.path.join(tmp, f"rank{r}.stack") for r in running}
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and not all(os.path.exists(p) and os.path.getsize(p) for p in paths.values()):
+        time.sleep(0.05)
+    time.sleep(0.1)  # let the last one finish writing
+    stacks = {r: _main_stack(_tail(p, 200)) for r, p in paths.items()}
+    # no stack: the rank had not even started its jobs (still importing, say), so it is behind the others too
+    hung = [r for r in running if not stacks[r] or not any(w in stacks[r][0] for w in _WAITING_IN)]
+    return hung, {r: "\n".join(s) or "(no stack: it had not started its jobs)" for r, s in stacks.items()}
+
+
+def _main_stack(dump: str) -> list[str]:
+    """The main thread's frames (innermost first) in a faulthandler dump (the watchdog thread's end in threading.py)."""
+    blocks, current = [], None
+    for line in dump.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            current = []
+            blocks.append(current)
+        elif current is not None and line.strip().startswith("File "):
+            current.append(line.strip())
+    mains = [b for b in blocks if b and "threading.py" not in b[-1]]
+    return mains[0] if mains else []
 
 
 def _wait(procs: list[subprocess.Popen], tmp: str, timeout_s: float) -> None:
@@ -156,28 +238,89 @@ def _wait(procs: list[subprocess.Popen], tmp: str, timeout_s: float) -> None:
             codes = [p.poll() for p in procs]
             noted = {r: _failure_note(tmp, r) for r in range(len(procs))}
             failed = [r for r, c in enumerate(codes) if c not in (None, 0) or noted[r][1]]
-            # a rank killed by a signal, else the one that raised first
+            # a rank killed by a signal, else the one that failed first
             r = min(failed, key=lambda r: (not (codes[r] or 0) < 0, noted[r][0]))
             code = codes[r]
+            when, kind, text = noted[r]
             if code is not None and code < 0:
                 how = f"was killed by {signal.Signals(-code).name}"
+            elif kind.startswith("exit"):
+                how = f"exited with code {code if code is not None else kind.split()[-1]} (sys.exit)"
             else:
-                how = "raised an exception" if noted[r][1] else f"exited with code {code}"
+                how = "raised an exception" if kind == "raise" else f"exited with code {code}"
             _stop(procs)
-            err = noted[r][1] or _tail(os.path.join(tmp, f"rank{r}.err"))
+            err = text or _tail(os.path.join(tmp, f"rank{r}.err"))
             raise RankFailed(f"rank {r} of {len(procs)} {how}; the other ranks were stopped.\n{err}", r, pids)
         if all(c == 0 for c in codes):
             return
         if time.monotonic() > deadline:
             running = [r for r, c in enumerate(codes) if c is None]
+            hung, stacks = _hung_ranks(procs, running, tmp)
             _stop(procs)
+            first = (hung or running)[0]
+            if hung:
+                what = f"rank(s) {hung} hung (the others were waiting for them)"
+            else:
+                what = f"rank(s) {running} all waiting for each other (a collective not every rank issued?)"
             raise RankFailed(
-                f"timed out after {timeout_s:.0f} s: rank(s) {running} still running (a hang, or a rank waiting "
-                "for one that never came); every rank was stopped",
-                running[0],
+                f"timed out after {timeout_s:g} s: {what}; every rank was stopped. Rank {first} was in:\n"
+                + stacks.get(first, ""),
+                first,
                 pids,
             )
         time.sleep(0.05)
+
+
+# ---- inside a rank ---------------------------------------------------------------------------------------------
+
+
+def _die_with_parent(tmp: str) -> None:
+    """End this rank (removing the world's folder) as soon as the process that started it is gone: its end of the
+    pipe closes (or, should another process hold it, this rank's parent changes)."""
+    fd, parent = map(int, os.environ["ANATOMY_WORLD_WATCH"].split())
+
+    def watch() -> None:
+        while True:
+            closed, _, _ = select.select([fd], [], [], 0.5)
+            if closed or os.getppid() != parent:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="anatomy-world-watch", daemon=True).start()
+
+
+def worker_main(tmp: str, backend: str | None) -> int:
+    """One rank started by :func:`run_world`: run the jobs in ``tmp``/jobs.pkl and leave the results there.
+
+    If a job fails, a note (the time, how: "raise" or "exit CODE", the traceback) is written before the process
+    group goes down (which makes the other ranks fail too), so the runner can tell which rank failed first."""
+    from .distributed import _process_group, run_job
+
+    rank = os.environ["RANK"]
+    _die_with_parent(tmp)
+    stack = open(os.path.join(tmp, f"rank{rank}.stack"), "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.register(_STACK_SIGNAL, file=stack, all_threads=True)
+    with open(os.path.join(tmp, "jobs.pkl"), "rb") as f:
+        jobs = pickle.load(f)
+    with _process_group(backend) as (r, world_size, device):
+        try:  # noted inside the group: its teardown makes the other ranks fail, and may take a while
+            results = [run_job(job, r, world_size, device) for job in jobs]
+        except SystemExit as e:
+            _note(tmp, rank, f"exit {e.code}", "")
+            raise
+        except BaseException:
+            _note(tmp, rank, "raise", traceback.format_exc())
+            raise
+    path = os.path.join(tmp, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(results, f)
+    os.replace(path + ".tmp", path)
+    return 0
+
+
+def _note(tmp: str, rank: str, kind: str, text: str) -> None:
+    with open(os.path.join(tmp, f"rank{rank}.failed"), "w") as f:
+        f.write(f"{time.time()} {kind}\n{text}")
 
 
 # ---- formulas and tables --------------------------------------------------------------------------------------
@@ -186,8 +329,9 @@ def _wait(procs: list[subprocess.Popen], tmp: str, timeout_s: float) -> None:
 def zero_model_states(
     strategy: str, n_params: int, world_size: int, *, param_bytes: int = 4, grad_bytes: int = 4, state_bytes: int = 8
 ) -> dict[str, float]:
-    """Model states per rank by the ZeRO paper's formulas (bytes): DP holds everything; ZeRO-1 divides the optimizer
-    state by N, ZeRO-2 also the gradients, ZeRO-3 also the parameters. Defaults: fp32 AdamW (4 + 4 + 8 bytes)."""
+    """Model states per rank by the ZeRO paper's stages (bytes): DP holds everything; ZeRO-1 divides the optimizer
+    state by N, ZeRO-2 also the gradients, ZeRO-3 also the parameters. The paper's 16 bytes per parameter are
+    mixed-precision Adam (2 + 2 + 12); the defaults here are the course's own split for fp32 AdamW (4 + 4 + 8)."""
     stage = ZERO_STAGE[strategy]
     n = world_size
     return {

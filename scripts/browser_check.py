@@ -3,9 +3,11 @@
     python scripts/browser_check.py [NN ...] [--artifacts DIR]      # default: every learner notebook with a panel
 
 For each learner notebook with a slider panel: open it in JupyterLab, run all cells, check that no cell shows an
-error, move one slider (the first, in page order, that can move up; a dropdown where a panel has no slider), and
-check that the panel re-measured: its printed numbers and its plot (the image bytes) differ from before the move.
-Screenshots of each panel before and after go to --artifacts.
+error, then move every control of every panel once (a slider one notch, a dropdown to its next choice) and check
+that the panel measured again: after each run a panel writes a hidden digest of the data its figure draws
+(widgets.figure_digest: lines, bars, areas, not text), and the digest must change. A panel that echoes the value in
+its title or printout but draws the same data fails, naming the panel and the control. Screenshots of the first
+panel before and after its first move, and of the page, go to --artifacts.
 tests/test_browser.py runs the same in CI (`bash scripts/test.sh`).
 
 Needs Chromium (Debian's `chromium`; google-chrome works too) and PyPI's `playwright`, which drives that browser
@@ -59,27 +61,34 @@ def _can_apt() -> list[str] | None:
 
 def ensure_browser(log=print) -> tuple[str | None, str]:
     """(Chromium's path, "") once Chromium and playwright are both here, installing what is missing; else
-    (None, why not)."""
+    (None, why not). What it installs it says first, with why; the installers' progress goes to this process's
+    stdout as they run (`python scripts/course.py test` calls this before pytest, where nothing hides it)."""
     chromium = find_chromium()
     if chromium is None:
         prefix = _can_apt()
         if prefix is None:
             return None, "no Chromium, and apt-get cannot install it here (needs root or passwordless sudo)"
-        log("installing Debian's chromium with apt-get (once per machine)")
+        log(f"no Chromium found (looked for $CHROMIUM, {', '.join(BROWSERS)}): the browser test needs one. Installing "
+            "Debian's chromium and the system libraries it needs (about 25 packages, some minutes) with "
+            f"`{' '.join([*prefix, 'apt-get', 'install', 'chromium'])}`, once per machine. CHROMIUM=/path/to/chrome "
+            "uses another browser instead.")  # fmt: skip
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                                                     "chromium"]):  # fmt: skip
-            done = subprocess.run([*prefix, *cmd], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                                                  "chromium"]):  # fmt: skip
+            sys.stdout.flush()
+            done = subprocess.run([*prefix, *cmd], stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
             if done.returncode:
                 return None, f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-300:]}"
         chromium = find_chromium()
         if chromium is None:
             return None, "apt-get installed chromium, but no chromium executable is on PATH"
+        log(f"installed {chromium}")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        log("installing playwright from PyPI (it drives the system Chromium; no browser download)")
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "playwright"], capture_output=True,
+        log("installing playwright from PyPI (about 40 MB; it drives the system Chromium, no browser download)")
+        sys.stdout.flush()
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "playwright"], stderr=subprocess.PIPE,
                               text=True)  # fmt: skip
         if done.returncode:
             return None, f"pip install playwright failed: {done.stderr.strip()[-300:]}"
@@ -157,7 +166,8 @@ class NotebookResult:
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)  # error outputs, "cell N: Ename: message"
     stderr: list[str] = field(default_factory=list)
-    slider: str = ""  # which slider moved, from what to what
+    moves: list[str] = field(default_factory=list)  # "panel P, control C (label a -> b)", each that re-measured
+    failures: list[str] = field(default_factory=list)  # each control whose move did not change the measurement
     text_before: str = ""
     text_after: str = ""
     image_changed: bool = False
@@ -166,7 +176,7 @@ class NotebookResult:
 
     @property
     def ok(self) -> bool:
-        return not (self.errors or self.problem) and self.image_changed and self.numbers_changed
+        return not (self.errors or self.problem or self.failures) and bool(self.moves) and self.image_changed
 
 
 # JavaScript run in the page, against JupyterLab's exposed application object.
@@ -193,12 +203,14 @@ JS_OUTPUTS = """() => {
 JS_PANEL_STATE = """(panel) => {
   const out = panel.querySelector('.widget-output');
   const img = out && out.querySelector('img');
-  return {text: out ? out.innerText : '', image: img ? img.getAttribute('src') : ''};
+  const mark = out && out.querySelector('.anatomy-panel-digest');  // widgets.DIGEST_CLASS
+  return {text: out ? out.innerText : '', image: img ? img.getAttribute('src') : '',
+          digest: mark ? mark.dataset.digest : '', panel: mark ? mark.dataset.panel : ''};
 }"""
 
 
 def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: float = 180) -> NotebookResult:
-    """Open ``name``, run all cells, check outputs, move the first panel's first movable slider."""
+    """Open ``name``, run all cells, check outputs, then move every control of every panel once."""
     result = NotebookResult(name)
     start = time.monotonic()
     # a workspace of its own, reset: only this notebook open, nothing restored from an earlier one
@@ -211,63 +223,76 @@ def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: fl
     result.seconds = time.monotonic() - start
     for kind, cell, text in page.evaluate(JS_OUTPUTS):
         (result.errors if kind == "error" else result.stderr).append(f"cell {cell}: {text.strip()[:300]}")
-    panel, control = find_control(page)
-    if panel is None:
-        result.problem = "no panel has a slider that can move up (or a dropdown with a second choice)"
+    panels = page.locator(".widget-interact")
+    if not panels.count():
+        result.problem = "no slider panel on the page"
         return result
-    panel.scroll_into_view_if_needed(timeout=30_000)
-    page.wait_for_function(f"(p) => ({JS_PANEL_STATE})(p).image !== ''", arg=panel.element_handle(),
-                           timeout=120_000)  # fmt: skip
-    before = page.evaluate(JS_PANEL_STATE, panel.element_handle())
-    panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))
-    label = control.locator(".widget-label").first.inner_text().strip()
-    if control.locator("select").count():  # a dropdown: its next choice
-        select = control.locator("select").first
-        value = select.input_value()
-        options = select.locator("option").all_inner_texts()
-        select.select_option(index=(options.index(value) + 1) % len(options) if value in options else 1)
-        read = lambda: select.input_value()  # noqa: E731
-    else:  # a slider: one step up with the keyboard, committed at once (continuous_update=False)
-        read = lambda: control.locator(".widget-readout").first.inner_text().strip()  # noqa: E731
-        value = read()
-        control.locator(".noUi-handle, .ui-slider-handle").first.focus()
-        page.keyboard.press("ArrowRight")
-    page.wait_for_function(
-        f"([p, b]) => {{ const s = ({JS_PANEL_STATE})(p); return s.image !== '' && s.image !== b.image"
-        " && s.text !== '' && s.text !== b.text; }",
-        arg=[panel.element_handle(), before], timeout=120_000,
-    )  # fmt: skip
-    result.slider = f"{label} {value} -> {read()}"
-    page.wait_for_timeout(500)  # let the figure finish replacing
-    after = page.evaluate(JS_PANEL_STATE, panel.element_handle())
-    panel.screenshot(path=str(shots / f"{Path(name).stem}_after.png"))
+    for i in range(panels.count()):
+        panel = panels.nth(i)
+        panel.scroll_into_view_if_needed(timeout=30_000)
+        try:
+            page.wait_for_function(f"(p) => ({JS_PANEL_STATE})(p).digest !== ''", arg=panel.element_handle(),
+                                   timeout=120_000)  # fmt: skip
+        except Exception:
+            result.problem = f"panel {i + 1} never showed its measurement (no plot drawn within 120 s)"
+            return result
+        state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+        controls = panel.locator(".widget-slider, .widget-hslider, .widget-dropdown")
+        for j in range(controls.count()):
+            first_move = not result.moves
+            if first_move:
+                panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))
+            moved, state_after, why = move(page, panel, controls.nth(j), state)
+            where = f"panel {state['panel'] or i + 1}, control {moved or j + 1}"
+            if why:
+                result.failures.append(f"{where}: {why}")
+                continue
+            result.moves.append(where + f" ({moved})")
+            if first_move:
+                page.wait_for_timeout(500)  # let the figure finish replacing
+                panel.screenshot(path=str(shots / f"{Path(name).stem}_after.png"))
+                result.text_before, result.text_after = state["text"], state_after["text"]
+                result.image_changed = state_after["image"] not in ("", state["image"])
+                result.numbers_changed = NUMBER.findall(state["text"]) != NUMBER.findall(state_after["text"])
+            state = state_after
     page.screenshot(path=str(shots / f"{Path(name).stem}_page.png"))
     if page.get_by_text("official Jupyter news").count():
         result.problem = "JupyterLab's news pop-up is showing (the course's Lab settings were not applied)"
-    result.text_before, result.text_after = before["text"], after["text"]
-    result.image_changed = bool(before["image"]) and bool(after["image"]) and before["image"] != after["image"]
-    result.numbers_changed = NUMBER.findall(before["text"]) != NUMBER.findall(after["text"])
     return result
 
 
-def find_control(page):
-    """(panel, control) to move: the first slider, in page order, that can still move up; else the first dropdown
-    with a second choice. (None, None) if there is neither."""
-    panels = page.locator(".widget-interact")
-    for i in range(panels.count()):
-        panel = panels.nth(i)
-        sliders = panel.locator(".widget-slider, .widget-hslider")
-        for j in range(sliders.count()):
-            handle = sliders.nth(j).locator(".noUi-handle, .ui-slider-handle").first
-            now, top = handle.get_attribute("aria-valuenow"), handle.get_attribute("aria-valuemax")
-            if now is None or top is None or float(now) < float(top):
-                return panel, sliders.nth(j)
-    for i in range(panels.count()):
-        dropdowns = panels.nth(i).locator(".widget-dropdown")
-        for j in range(dropdowns.count()):
-            if dropdowns.nth(j).locator("option").count() > 1:
-                return panels.nth(i), dropdowns.nth(j)
-    return None, None
+def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str, dict, str]:
+    """Move ``control`` one notch (a slider up, or down at its top; a dropdown to its next choice) and wait until
+    the panel has measured again: its digest of what it draws changes. Returns (what moved, the panel's state
+    after, "" or why it failed)."""
+    label = control.locator(".widget-label").first.inner_text().strip()
+    if control.locator("select").count():
+        select = control.locator("select").first
+        value = select.input_value()
+        options = select.locator("option").all_inner_texts()
+        if len(options) < 2:
+            return label, before, ""  # nothing to choose
+        select.select_option(index=(options.index(value) + 1) % len(options) if value in options else 1)
+        now = select.input_value()
+    else:  # a slider: one step with the keyboard, committed at once (continuous_update=False)
+        handle = control.locator(".noUi-handle, .ui-slider-handle").first
+        readout = control.locator(".widget-readout").first
+        value = readout.inner_text().strip()
+        at_top = handle.get_attribute("aria-valuenow") == handle.get_attribute("aria-valuemax")
+        handle.focus()
+        page.keyboard.press("ArrowLeft" if at_top else "ArrowRight")
+        page.wait_for_timeout(200)
+        now = readout.inner_text().strip()
+    what = f"{label} {value} -> {now}"
+    try:
+        page.wait_for_function(
+            f"([p, b]) => {{ const s = ({JS_PANEL_STATE})(p);"
+            " return s.digest !== '' && s.digest !== b.digest && s.image !== ''; }",
+            arg=[panel.element_handle(), before], timeout=timeout_s * 1000,
+        )  # fmt: skip
+    except Exception:
+        return what, before, f"moving {what} did not change what the panel draws within {timeout_s:.0f} s"
+    return what, page.evaluate(JS_PANEL_STATE, panel.element_handle()), ""
 
 
 def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[NotebookResult]:
@@ -297,8 +322,9 @@ def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[
                 finally:
                     page.close()
                     stop_kernels(base, token)  # free the CPU for the next notebook
-                log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({result.seconds:.0f} s): {result.slider or '-'}; "
-                    f"plot changed: {result.image_changed}, numbers changed: {result.numbers_changed}"
+                log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({result.seconds:.0f} s): {len(result.moves)} "
+                    f"controls re-measured; plot changed: {result.image_changed}"
+                    + (f"; FAILED: {result.failures}" if result.failures else "")
                     + (f"; errors: {result.errors}" if result.errors else "")
                     + (f"; {result.problem}" if result.problem else ""))  # fmt: skip
                 results.append(result)

@@ -4,7 +4,7 @@
     python scripts/course.py test [PYTEST ARGS]                 # set up with the development tools, ruff + pytest
     python scripts/course.py setup [--dev]                      # only set up
 
-Options, before the command:
+Options, before or after the command:
     --here              use the Python running this script (a conda env, an existing venv) instead of .venv/
     --wheelhouse DIR    install only from DIR (built by scripts/wheelhouse.py): no network at all
     --cpu | --cuda      which torch build to install when none is installed (default: CUDA only where nvidia-smi
@@ -142,9 +142,12 @@ def install_torch(env: Env, gpu: bool, wheelhouse: Path | None) -> None:
     for i, (what, args) in enumerate(attempts):
         last = i == len(attempts) - 1
         print(f"installing torch: trying {what}", flush=True)
+        # The last attempt is the download (about 190 MB, minutes on a slow line): pip shows what it fetches and,
+        # in a terminal, its progress bar. Earlier attempts are quiet: their failure is expected and not shown.
         done = subprocess.run(
-            [str(env.python), "-m", "pip", "install", "-q", *args], cwd=ROOT, capture_output=not last, text=True
-        )
+            [str(env.python), "-m", "pip", "install", *([] if last else ["-q"]), *args],
+            cwd=ROOT, capture_output=not last, text=True,
+        )  # fmt: skip
         if done.returncode == 0:
             return
     raise SystemExit(
@@ -196,19 +199,54 @@ def torch_summary(env: Env) -> None:
     subprocess.run([str(env.python), "-c", code], check=True)
 
 
-def run_lab(env: Env, executed: bool, extra: list[str]) -> int:
+def lab_command(env: Env, executed: bool, extra: list[str]) -> list[str]:
+    """The JupyterLab command line that `lab` runs (from the repository root)."""
     folder = ROOT / ("notebooks" if executed else "learner")
     cmd = [str(env.python), "-m", "jupyter", "lab", str(folder)]
     if hasattr(os, "getuid") and os.getuid() == 0:
         cmd.append("--allow-root")  # containers and CI run as root
-    try:
-        return subprocess.run(cmd + extra, cwd=ROOT).returncode
+    return cmd + extra
+
+
+def run_lab(env: Env, executed: bool, extra: list[str]) -> int:
+    cmd = lab_command(env, executed, extra)
+    if os.name == "posix":
+        # JupyterLab takes this process's place (lab.sh execs this script too), so Ctrl+C, SIGTERM or a closed
+        # terminal reach the server itself: a wrapper in between would die and leave the server running on its port.
+        sys.stdout.flush()
+        os.chdir(ROOT)
+        os.execv(cmd[0], cmd)
+    try:  # Windows has no exec; Ctrl+C reaches every process of the console, JupyterLab included
+        return subprocess.run(cmd, cwd=ROOT).returncode
     except KeyboardInterrupt:
         return 0
 
 
+def runs_browser_test(extra: list[str]) -> bool:
+    """Whether pytest with ``extra`` runs tests/test_browser.py: the whole suite or that file named, not
+    `-m "not delivery"` nor only other test files."""
+    if any("test_browser" in a for a in extra):
+        return True
+    if any("not delivery" in a for a in extra):
+        return False
+    return not any(not a.startswith("-") and (ROOT / a.split("::")[0]).exists() for a in extra)
+
+
+def prepare_browser(env: Env) -> None:
+    """Find Chromium and playwright for the browser test, or install them (once per machine), before pytest starts:
+    under pytest-xdist a worker's output reaches the console only when its test ends, so an install inside the test
+    ran for minutes in silence. browser_check says what it installs and why before it starts."""
+    code = (
+        "import browser_check as b; c, why = b.ensure_browser(log=lambda m: print(f'[browser test] {m}', flush=True));"
+        "print(f'[browser test] Chromium: {c}' if c else f'[browser test] will be skipped: {why}')"
+    )
+    subprocess.run([str(env.python), "-c", code], cwd=ROOT / "scripts")  # its import path: scripts/
+
+
 def run_tests(env: Env, extra: list[str]) -> int:
     torch_summary(env)
+    if runs_browser_test(extra):
+        prepare_browser(env)
     test_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYDEVD_DISABLE_FILE_VALIDATION="1", MPLBACKEND="Agg")
     # nbval compares against the stored CPU outputs, so the suite runs on CPU even on a GPU machine;
     # scripts/gpu_check.py covers CUDA.
@@ -230,24 +268,46 @@ def run_tests(env: Env, extra: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    if sys.version_info < MIN_PYTHON:
-        raise SystemExit(f"the course needs Python >= 3.10; this is {platform.python_version()} ({sys.executable})")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--here", action="store_true", help="use this Python's environment instead of .venv/")
-    parser.add_argument("--wheelhouse", type=Path, help="install only from this folder, without network")
+def add_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options that may come before or after the command. After it, an option left out keeps the value given
+    before it (argparse.SUPPRESS: a subcommand's default would overwrite it)."""
+
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--here", action="store_true", default=default(False),
+                        help="use this Python's environment instead of .venv/")  # fmt: skip
+    parser.add_argument("--wheelhouse", type=Path, default=default(None),
+                        help="install only from this folder, without network")  # fmt: skip
     build = parser.add_mutually_exclusive_group()
-    build.add_argument("--cpu", dest="gpu", action="store_false", default=None, help="install the CPU build of torch")
-    build.add_argument("--cuda", dest="gpu", action="store_true", help="install the CUDA build of torch")
+    build.add_argument("--cpu", dest="gpu", action="store_false", default=default(None),
+                       help="install the CPU build of torch")  # fmt: skip
+    build.add_argument("--cuda", dest="gpu", action="store_true", default=default(None),
+                       help="install the CUDA build of torch")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line: (course.py's options and command, what goes on to JupyterLab or pytest)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_options(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True)
     p_setup = sub.add_parser("setup", help="set up and stop")
     p_setup.add_argument("--dev", action="store_true", help="also the development tools (pytest, ruff, nbval)")
     p_lab = sub.add_parser("lab", help="set up if needed and open JupyterLab")
     p_lab.add_argument("--executed", action="store_true", help="open notebooks/ (with outputs) instead of learner/")
-    sub.add_parser("test", help="set up with the development tools if needed, then ruff + pytest")
+    p_test = sub.add_parser("test", help="set up with the development tools if needed, then ruff + pytest")
+    for p in (p_setup, p_lab, p_test):
+        add_options(p, defaults=False)  # also after the command: `bash scripts/lab.sh --here`
     args, extra = parser.parse_known_args(argv)
     if args.command == "setup" and extra:
         parser.error(f"unknown arguments: {extra}")
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    if sys.version_info < MIN_PYTHON:
+        raise SystemExit(f"the course needs Python >= 3.10; this is {platform.python_version()} ({sys.executable})")
+    args, extra = parse_args(argv)
     gpu = has_nvidia_gpu() if args.gpu is None else args.gpu
     wheelhouse = args.wheelhouse.resolve() if args.wheelhouse else None
     env = find_env(args.here)

@@ -8,14 +8,24 @@ Run it on a machine with network; copy the folder with the repository (USB stick
 --wheelhouse` installs with `pip --no-index --find-links`, so it never reaches for an index. For Linux and Windows
 the CPU build of torch comes from PyTorch's CPU index (about 190 MB for Linux, less for Windows); macOS wheels
 come from PyPI (torch ships no Intel-Mac wheels since 2.3, so only Apple silicon). The rest (JupyterLab, numpy,
-matplotlib, ipywidgets and what they need) is about 60 MB per platform and Python version. Standard library only.
+matplotlib, ipywidgets and what they need) is about 60 MB per platform and Python version.
+
+Another platform's set of packages is not this machine's: `pip download --platform` evaluates environment markers
+for the machine that runs it, so a Windows wheelhouse built on Linux would lack colorama (IPython needs it on
+Windows) and a macOS one appnope. So for a --platform or --python other than this interpreter's, the set is resolved
+for the target by uv (`uv pip compile --python-platform ... --python-version ...`, which evaluates the target's
+markers and checks its wheel tags), and pip then downloads exactly those pins (--no-deps) for that target. uv is
+taken from PATH, or from PyPI into a temporary folder (about 18 MB) that goes away afterwards. The script itself
+needs only the standard library.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +43,14 @@ PLATFORMS = {
     "windows": ["win_amd64"],
     "macos-arm": ["macosx_14_0_arm64"],
 }
+# uv's names for the same targets (MACOS_TARGET: the oldest macOS the wheels may ask for, as the pip tag above).
+UV_PLATFORMS = {
+    "linux": "x86_64-manylinux_2_28",
+    "linux-arm": "aarch64-manylinux_2_28",
+    "windows": "x86_64-pc-windows-msvc",
+    "macos-arm": "aarch64-apple-darwin",
+}
+MACOS_TARGET = "14.0"
 BUILD = ["setuptools>=68", "wheel"]  # what `pip install -e .` needs to build the course package, offline
 
 
@@ -61,18 +79,55 @@ def torch_index(plat: str | None) -> str | None:
     return CPU_INDEX if system in ("Linux", "Windows") else None
 
 
-def download(dest: Path, plat: str | None, python: str | None, torch: bool, index: str | None) -> None:
-    base = [sys.executable, "-m", "pip", "download", "-q", "--dest", str(dest), *target_args(plat, python)]
-    reqs = requirements_without_torch()
+def find_uv(scratch: Path) -> str:
+    """uv's executable: on PATH, else installed from PyPI into ``scratch`` (nothing else on the machine changes)."""
+    found = shutil.which("uv")
+    if found:
+        return found
+    print("fetching uv from PyPI (to resolve another platform's packages with that platform's markers)", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(scratch / "uv"), "uv"], check=True)
+    return str(scratch / "uv" / "bin" / ("uv.exe" if os.name == "nt" else "uv"))
+
+
+def resolve(uv: str, requirements: list[str], plat: str | None, python: str, index: str | None = None) -> list[str]:
+    """The pinned set (``name==version`` lines) ``requirements`` need on ``plat`` (None: this machine's) with Python
+    ``python``: resolved by uv with that target's environment markers and wheel tags, wheels only."""
+    cmd = [uv, "pip", "compile", "-", "--python-version", python, "--only-binary", ":all:", "--no-header",
+           "--no-annotate", "--quiet", *(["--python-platform", UV_PLATFORMS[plat]] if plat else []),
+           *(["--index-url", index] if index else [])]  # fmt: skip
+    env = dict(os.environ, MACOSX_DEPLOYMENT_TARGET=MACOS_TARGET)
+    done = subprocess.run(cmd, input="\n".join(requirements) + "\n", capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"uv could not resolve {requirements} for {plat or 'this platform'}, Python {python}:\n"
+                         f"{done.stderr.strip()}")  # fmt: skip
+    return [line.strip() for line in done.stdout.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def pip_download(base: list[str], requirements: list[str]) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write("\n".join(reqs + BUILD) + "\n")
+        f.write("\n".join(requirements) + "\n")
     try:
-        subprocess.run([*base, "-r", f.name], check=True)
+        if subprocess.run([*base, "-r", f.name]).returncode:
+            raise SystemExit(f"pip could not download {requirements} (its error is above)")
     finally:
         Path(f.name).unlink()
+
+
+def download(dest: Path, plat: str | None, python: str | None, torch: bool, index: str | None, uv: str | None) -> None:
+    """Fill ``dest`` for one target. ``uv`` (needed unless the target is this interpreter) resolves its set."""
+    base = [sys.executable, "-m", "pip", "download", "-q", "--dest", str(dest), *target_args(plat, python)]
+    torch_from = torch_index(plat) if index is None else (None if index == "default" else index)
+    sets = [(requirements_without_torch() + BUILD, os.environ.get("PIP_INDEX_URL"))]
     if torch:
-        index = torch_index(plat) if index is None else (None if index == "default" else index)
-        subprocess.run([*base, *(["--index-url", index] if index else []), f"torch=={TORCH_VERSION}"], check=True)
+        sets.append(([f"torch=={TORCH_VERSION}"], torch_from))
+    for requirements, from_index in sets:
+        where = ["--index-url", from_index] if from_index else []
+        if uv is None:  # this interpreter: pip's own resolution evaluates the right markers
+            pip_download([*base, *where], requirements)
+            continue
+        pins = resolve(uv, requirements, plat, python or "{}.{}".format(*sys.version_info), from_index)
+        print(f"  {len(pins)} packages for that target (uv, with its markers)", flush=True)
+        pip_download([*base, *where, "--no-deps"], pins)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.dest.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    for plat in args.platform or [None]:
-        for python in args.python or [None]:
-            what = f"{plat or 'this platform'}, Python {python or platform.python_version()}"
-            print(f"downloading for {what}", flush=True)
-            download(args.dest, plat, python, torch=not args.no_torch, index=args.torch_index)
+    with tempfile.TemporaryDirectory() as scratch:
+        uv = find_uv(Path(scratch)) if args.platform or args.python else None
+        for plat in args.platform or [None]:
+            for python in args.python or [None]:
+                what = f"{plat or 'this platform'}, Python {python or platform.python_version()}"
+                print(f"downloading for {what}", flush=True)
+                download(args.dest, plat, python, torch=not args.no_torch, index=args.torch_index, uv=uv)
     wheels = sorted(args.dest.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels)
     print(f"{len(wheels)} wheels, {size / 2**20:.0f} MiB in {args.dest} ({time.perf_counter() - start:.0f} s)")

@@ -8,15 +8,19 @@ else is installed by pip, as the user's platform would.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import sysconfig
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -65,6 +69,7 @@ class FreshEnv:
     def run(self, args: list[str], **kw) -> subprocess.CompletedProcess:
         """Run this environment's Python; check=True, text output captured unless told otherwise."""
         kw.setdefault("check", True)
+        kw["env"] = without_checkout_path(kw.get("env"))
         kw.setdefault("cwd", self.root)  # not the checkout: `python -c` would import the package from the cwd
         kw.setdefault("text", True)
         if "stdout" not in kw and "capture_output" not in kw:
@@ -117,8 +122,47 @@ def make_env(root: Path, preinstalled: list[str], exclude: set[str] = frozenset(
     return FreshEnv(env_dir, python, site)
 
 
+def without_checkout_path(env: dict[str, str] | None) -> dict[str, str]:
+    """``env`` (default os.environ) without PYTHONPATH: a fresh environment, and the kernels it runs, must import the
+    course from what was installed into it, never from a checkout a developer put on the path."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k != "PYTHONPATH"}
+
+
 def offline_pip_env(**extra: str) -> dict[str, str]:
-    """os.environ for a pip that reads no configuration file and no PIP_* variable of this machine."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    """os.environ (less PYTHONPATH) for a pip that reads no configuration file and no PIP_* variable of this machine."""
+    env = {k: v for k, v in without_checkout_path(None).items() if not k.startswith("PIP_")}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
     return env
+
+
+# pip's own option parser, so the index is the one pip uses here (PIP_INDEX_URL, pip.conf, or PyPI).
+_PIP_INDEX = (
+    "from pip._internal.commands import create_command; print(create_command('download').parse_args([])[0].index_url)"
+)
+
+
+@functools.cache
+def index_unreachable() -> str | None:
+    """Why the package index pip is configured with cannot be reached from here, or None when it answers.
+
+    Asked once per test process: a request to the index's root page. Any HTTP answer (even an error status) means the
+    network is there, so a pip failure is the files' fault, not the network's."""
+    url = subprocess.run([sys.executable, "-c", _PIP_INDEX], capture_output=True, text=True).stdout.strip()
+    url = url or "https://pypi.org/simple"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/", method="HEAD"), timeout=15).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as err:  # URLError (DNS, refused, TLS), timeouts
+        return f"the package index {url} does not answer ({err})"
+    return None
+
+
+def pip_failed(what: str, output: str) -> None:
+    """Skip when the index is out of reach (no network: said so), otherwise fail with pip's own words."""
+    why = index_unreachable()
+    if why:
+        pytest.skip(f"NOT TESTED: {what}: {why}")
+    errors = "\n".join(line for line in output.splitlines() if line.lower().startswith("error"))
+    pytest.fail(f"{what} failed while the package index answers (a bad requirement?):\n{errors}\n"
+                f"--- the end of its output ---\n{output[-2000:]}")  # fmt: skip

@@ -342,7 +342,7 @@ def test_allocator_at_replays_into_a_given_simulator():
 
 @pytest.mark.parametrize("row", [-2, 4, 100])
 def test_allocator_at_refuses_a_row_out_of_range(row):
-    with pytest.raises(ValueError, match=rf"row must be from -1 to 3, got {row}"):
+    with pytest.raises(ValueError, match=rf"row must be an integer in \[-1, 4\), got {row}"):
         allocator_at(make_record(TWO_STEPS), row)
 
 
@@ -461,3 +461,15 @@ def test_min_limit_to_pass_is_the_first_passing_limit_on_a_real_trace(small_trac
     assert found % (2 * MiB) == 0
     assert replay_with_limit(rec, found).passed
     assert not replay_with_limit(rec, found - 2 * MiB).passed
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "100", 1.5, -3])
+def test_malloc_refuses_what_is_not_a_whole_number_of_bytes(bad):
+    with pytest.raises(ValueError, match="nbytes must be a whole number of bytes"):
+        CachingAllocatorSim().malloc(1, bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "1GiB", 0, True])
+def test_a_limit_that_is_not_a_positive_whole_number_of_bytes_is_refused(bad):
+    with pytest.raises(ValueError, match="limit must be a positive whole number of bytes"):
+        LimitedAllocatorSim(bad)

@@ -90,7 +90,61 @@ def test_predict_says_which_phase_runs_out(capsys):
     assert len(answer["phases"]) == 6 and answer["usable_bytes"] < answer["capacity_bytes"]
 
 
-def test_predict_bad_options(capsys):
+PREDICT_TINY = ["predict", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--heads", "3"], "divisible by n_head"),
+        (["--gpu", "T4 16 GB"], "invalid choice"),
+        (["--gpu", "t5"], "invalid choice"),
+        (["--gpu-gib", "0"], "--gpu-gib: must be a finite number of GiB > 0"),
+        (["--gpu-gib", "nan"], "--gpu-gib: must be a finite number of GiB > 0"),
+        (["--gpu-gib", "inf"], "--gpu-gib: must be a finite number of GiB > 0"),
+        (["--gpu-gib", "lots"], "--gpu-gib: expected a number of GiB"),
+        (["--gpu-gib", "0.5"], "no memory left once the CUDA context (assumed) takes 512.00 MiB"),
+        (["--gpu", "h100", "--gpu-gib", "80"], "not allowed with argument"),
+        (["--micro-batches", "3"], "batch_size (4) must be a multiple of micro_batches (3)"),
+        (["--micro-batches", "0"], "--micro-batches: must be positive"),
+        (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint every_k"),
+        (["--checkpoint", "every_k", "--checkpoint-every", "5"], "checkpoint_every must be a whole number from 1"),
+        (["--dropout", "1"], "ModelConfig.dropout"),
+        (["--dropout", "nan"], "ModelConfig.dropout"),
+        (["--mlp-ratio", "0"], "--mlp-ratio: must be positive"),
+        (["--batch-size", str(10**12)], "no dry run is needed to say so"),
+        (["--vocab", str(10**15)], "no dry run is needed to say so"),
+        (["--layers", str(10**6)], "n_layer must be at most 1024"),
+        (["--seq-len", "30000"], "ModelConfig.seq_len must be at most"),
+    ],
+)
+def test_predict_bad_options_exit_2_before_any_work(args, message, capsys, monkeypatch):
+    import anatomy_helpers.fit as fit
+
+    monkeypatch.setattr(fit, "dry_run_config", lambda *a, **k: pytest.fail("dry-ran a refused request"))
     with pytest.raises(SystemExit) as e:
-        main(["predict", "--heads", "3"])
-    assert e.value.code == 2 and "divisible by n_head" in capsys.readouterr().err
+        main([*PREDICT_TINY, *args])
+    printed = capsys.readouterr()
+    assert e.value.code == 2 and message in printed.err and printed.out == ""
+
+
+def test_predict_options_reach_the_configuration(capsys):
+    import json
+
+    args = ["--untied", "--mlp-ratio", "2", "--dropout", "0.1", "--checkpoint", "every_k", "--checkpoint-every", "1"]
+    assert main([*PREDICT_TINY, *args, "--micro-batches", "2", "--gpu", "H100", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    for part in ("MLP 2h", "untied head", "dropout 0.1", "checkpoint every_k 1", "b=2", "x 2 micro-batches"):
+        assert part in answer["config"]
+    assert answer["device"] == "H100 80GB HBM3" and answer["capacity_bytes"] == 81_559 * 2**20
+    assert answer["compute_capability"] == "9.0"
+    assert main([*PREDICT_TINY, "--gpu-gib", "1.5", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["capacity_bytes"] == 3 * 2**29 and answer["compute_capability"] is None
+
+
+def test_predict_prints_a_tiny_model_in_mib_and_ranks_fixes(capsys):
+    assert main([*PREDICT_TINY, "--gpu-gib", "0.6", "--fix"]) == 0
+    out = capsys.readouterr().out
+    assert "(MiB;" in out and " 0.00 " not in out
+    assert "changes" in out and "time only" in out and "numerics" in out

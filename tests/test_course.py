@@ -166,3 +166,104 @@ def test_instructor_guide_links_the_recorded_gpu_outputs_or_says_there_are_none(
         assert all(f"(gpu_outputs/{p.name})" in section for p in recorded)
     else:
         assert "Not recorded yet" in section
+
+
+def _output_text(output) -> str:
+    if output.get("output_type") == "stream":
+        return "".join(output.get("text", ""))
+    return "".join(output.get("data", {}).get("text/plain", ""))
+
+
+def answer_spellings(measured: float, unit: str) -> list[str]:
+    """How a cell would print an exercise's answer: 2 decimals in the unit (alone, as in a table, or with the unit),
+    and for byte answers the whole number of bytes with thousands separators."""
+    if unit in ("x", "count"):
+        return [f"{measured:.2f}x", f"{measured:,.0f}"] if unit == "count" else [f"{measured:.2f}x"]
+    spellings = [f"{measured:.2f}"]
+    factor = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    nbytes = round(measured * factor)
+    if nbytes >= 10_000:
+        spellings.append(f"{nbytes:,}")
+    return spellings
+
+
+def answers_shown_early(nb: Path) -> list[str]:
+    """Exercises of ``nb`` whose measured answer an earlier output already prints (a number bounded by non-digits)."""
+    from anatomy_helpers.exercises import METADATA_KEY
+
+    earlier, found, asked = [], [], 0
+    for cell in code_cells(nb):
+        for output in cell.get("outputs", []):
+            meta = output.get("metadata", {}).get(METADATA_KEY)
+            if meta is not None:
+                asked += 1
+                shown = "\n".join(earlier)
+                for spelling in answer_spellings(meta["measured"], meta["unit"]):
+                    if re.search(rf"(?<![\d.,]){re.escape(spelling)}(?![\d]|\.\d|,\d)", shown):
+                        found.append(f"{nb.stem}: {meta['name']!r} ({spelling}) is printed before it is asked")
+        earlier.extend(_output_text(o) for o in cell.get("outputs", []))
+    exercises = sum(bool(re.search(r"^my_\w+ = None", "".join(c["source"]), re.M)) for c in code_cells(nb))
+    assert asked == exercises, f"{nb.stem}: {exercises} exercises but {asked} outputs record their answer"
+    return found
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_output_gives_an_exercises_answer_away_before_it_is_asked(nb):
+    assert answers_shown_early(nb) == []
+
+
+def test_the_early_answer_check_finds_a_planted_answer(tmp_path):
+    from anatomy_helpers.exercises import METADATA_KEY
+
+    def cell(text, meta=None, source="x"):
+        out = {"output_type": "display_data", "data": {"text/plain": text}, "metadata": meta or {}}
+        return {"cell_type": "code", "source": source, "outputs": [out], "metadata": {}, "execution_count": 1}
+
+    ask = cell("no prediction yet", {METADATA_KEY: {"name": "peak", "measured": 4.0, "unit": "MiB"}}, "my_x = None")
+    nb = tmp_path / "99_x.ipynb"
+    for before, flagged in (("largest 4.00 MiB (fc)", True), ("grads 4,194,304 bytes", True), ("14.00 MiB", False)):
+        nb.write_text(json.dumps({"cells": [cell(before), ask]}))
+        assert bool(answers_shown_early(nb)) == flagged, before
+
+
+lesson_times = load_script("lesson_times")
+
+
+def guide_timing_rows() -> dict[str, list[str]]:
+    """The per-lesson timing table of the instructor guide, by lesson number."""
+    guide = (ROOT / "docs" / "instructor_guide.md").read_text()
+    section = guide.split("## How long each lesson takes", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if re.match(r"\| \d\d \|", line)]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return {r[0]: r for r in rows}
+
+
+def test_the_guides_lesson_times_count_what_the_notebooks_hold():
+    rows = guide_timing_rows()
+    assert sorted(rows) == [nb.name[:2] for nb in NOTEBOOKS]
+    for nb in NOTEBOOKS:
+        number, words, _, code, exercises, panels, seconds, estimate = rows[nb.name[:2]]
+        now = lesson_times.counts(nb, float(seconds))
+        assert (int(words.replace(",", "")), int(code), int(exercises), int(panels)) == (
+            now.words,
+            now.code_cells,
+            now.exercises,
+            now.panels,
+        ), f"{nb.name}: run `python scripts/lesson_times.py --execute` and update the guide's table"
+        assert int(estimate) == round(now.estimate_min), nb.name
+
+
+def test_every_slot_of_the_guides_plans_holds_its_lessons_estimate_and_the_day_has_a_buffer():
+    guide = (ROOT / "docs" / "instructor_guide.md").read_text()
+    estimates = {n: int(r[-1]) for n, r in guide_timing_rows().items()}
+    plan = guide.split("## The 3-hour plan", 1)[1].split("\n## ", 1)[0]
+    slots = []
+    for line in plan.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        lessons = re.findall(r"notebooks/(\d\d)_", line)
+        if len(lessons) == 1 and cells[-1].isdigit():
+            slots.append((lessons[0], int(cells[-1])))
+    assert {n for n, _ in slots} >= {"00", "01", "02", "03", "04"} and len(slots) == len(NOTEBOOKS)
+    assert [(n, m) for n, m in slots if m < estimates[n]] == [], "a slot shorter than its lesson's estimate"
+    buffer = re.search(r"\| \d:\d\d \| Buffer[^|]*\| (\d+) \|", plan)
+    assert buffer and int(buffer.group(1)) >= 10, "the 3-hour plan needs a buffer of 10 minutes or more"

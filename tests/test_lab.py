@@ -1,56 +1,53 @@
-"""What `bash scripts/lab.sh` opens: a JupyterLab that serves the notebooks and has the widgets extension."""
+"""What `bash scripts/lab.sh` opens, started the way a learner starts it: a JupyterLab that serves the learner
+notebooks and has the widgets extension, and that stopping lab.sh stops."""
 
 import json
-import socket
-import subprocess
+import os
+import signal
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .lab_server import port_open, serving
+from .test_course import ROOT, load_script
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+course = load_script("course")
 
 
 @pytest.fixture(scope="module")
-def lab():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         "--IdentityProvider.token=", "--allow-root", f"--ServerApp.root_dir={ROOT / 'notebooks'}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"{base}/api/status", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.25)
-        else:
-            pytest.fail("JupyterLab did not start within 30 s")
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+def lab(tmp_path_factory):
+    # --here: this interpreter's environment. lab.sh sets it up first unless it is stamped as set up from the current
+    # files; a test must not install into the environment it runs in, so an unstamped one is not tested here.
+    env = course.Env(Path(sys.executable), Path(sys.prefix), is_venv=False)
+    if not course.is_set_up(env, dev=False):
+        pytest.skip(f"NOT TESTED: {sys.prefix} was not set up by `python scripts/course.py --here setup --dev`")
+    if os.name == "posix":
+        cmd, run_env = ["bash", "scripts/lab.sh", "--here"], dict(os.environ, PYTHON=sys.executable)
+    else:
+        cmd, run_env = [sys.executable, "scripts/course.py", "--here", "lab"], None
+    with serving(cmd, tmp_path_factory.mktemp("lab") / "lab.log", cwd=ROOT, env=run_env) as lab:
+        assert "installing" not in lab.output()  # set up already: the launch touched neither pip nor the network
+        yield lab
 
 
-def test_lab_serves_the_tour_notebook(lab):
-    page = urllib.request.urlopen(f"{lab}/lab/tree/00_tour.ipynb", timeout=10).read().decode()
-    assert "JupyterLab" in page
-    nb = json.load(urllib.request.urlopen(f"{lab}/api/contents/00_tour.ipynb", timeout=10))
+def test_lab_serves_the_learner_tour(lab):
+    assert "JupyterLab" in lab.get("/lab/tree/00_tour.ipynb")
+    nb = json.loads(lab.get("/api/contents/00_tour.ipynb"))
     assert nb["type"] == "notebook" and nb["content"]["cells"]
+    learner = json.loads((ROOT / "learner" / "00_tour.ipynb").read_text())
+    assert nb["content"]["cells"][0]["source"] == "".join(learner["cells"][0]["source"])  # learner/, not notebooks/
 
 
 def test_lab_has_the_ipywidgets_extension(lab):
-    exts = json.load(urllib.request.urlopen(f"{lab}/lab/api/extensions", timeout=10))
+    exts = json.loads(lab.get("/lab/api/extensions"))
     widgets = [e for e in exts if "jupyterlab-manager" in e["name"]]  # @jupyter-widgets/jupyterlab-manager
     assert widgets and widgets[0]["enabled"], exts
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGTERM is a POSIX signal")
+def test_sigterm_to_lab_sh_stops_the_server(lab):
+    """lab.sh -> course.py -> JupyterLab is one process (exec): a wrapper that died alone would leave the server."""
+    lab.proc.send_signal(signal.SIGTERM)
+    lab.proc.wait(timeout=30)
+    assert not port_open(lab.port), f"the server still listens on {lab.port} after SIGTERM to lab.sh"

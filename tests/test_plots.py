@@ -40,7 +40,7 @@ def test_module_bars_use_category_colours(trace):
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels[:3] == ["tok_emb", "pos_emb", "blocks.0"]
-    legend = {t.get_text() for t in ax.get_legend().get_texts()}
+    legend = {t.get_text().split(" (")[0] for t in ax.get_legend().get_texts()}
     assert {"parameters", "activations"} <= legend
     colours = {matplotlib.colors.to_hex(p.get_facecolor()) for p in ax.patches}
     assert colours <= {c.lower() for c in CATEGORY_COLORS.values()}
@@ -84,6 +84,21 @@ def test_timelines_share_one_y_scale(trace):
     tops = {ax.get_ylim()[1] for ax in fig.axes}
     assert len(fig.axes) == 2 and len(tops) == 1
     assert [ax.get_title() for ax in fig.axes] == ["first", "again"]
+
+
+def test_multi_panel_legend_lists_every_category_any_panel_draws(trace):
+    from anatomy_helpers import plot_timelines
+
+    model = make_model(device="cpu", checkpoint="full", **SMALL)
+    checkpointed = track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=2)
+    fig = plot_timelines({"none": trace, "full": checkpointed})
+    drawn = [set(ax.get_legend_handles_labels()[1]) for ax in fig.axes]
+    assert "recomputed" in drawn[1] - drawn[0]  # a category only the second panel draws
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 1
+    listed = [t.get_text() for t in legends[0].get_texts()]
+    assert sorted(listed) == sorted(set.union(*drawn))  # each drawn category once, nothing else
+    assert listed == [c.replace("_", " ") for c in CATEGORIES if c.replace("_", " ") in listed]  # in CATEGORIES order
 
 
 def test_optimizer_phase_panels_one_per_step(trace):
@@ -135,3 +150,44 @@ def test_package_storage_bytes_counts_each_storage_once_and_filters_by_device():
     assert storage_bytes(tensors) == 100 * 4 + 10 * 8
     assert storage_bytes(tensors, "cpu") == 100 * 4 + 10 * 8
     assert storage_bytes(tensors, "cuda") == 0
+
+
+def test_module_bars_label_both_axes_name_the_no_module_row_and_total_every_category(small_trace):
+    from anatomy_helpers.plots import OUTSIDE_MODULES, plot_module_bars
+
+    fig = plot_module_bars(small_trace, step=1, phase="forward")
+    ax = fig.axes[0]
+    assert ax.get_xlabel() and ax.get_ylabel()
+    rows = small_trace.live_by_module(small_trace.phase(1, "forward").end)
+    ticks = [t.get_text() for t in ax.get_yticklabels()]
+    assert "-" not in ticks and (OUTSIDE_MODULES in ticks) == ("-" in rows)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    for category in ("parameters", "activations"):
+        total = sum(r[category] for r in rows.values())  # the SMALL model: hundreds of KiB to a few MiB
+        spelled = f"{total / 2**20:.2f} MiB" if total >= 2**20 else f"{total / 2**10:.2f} KiB"
+        assert f"{category} ({spelled})" in labels, labels
+    bars_end = max(p.get_x() + p.get_width() for p in ax.patches)
+    assert ax.get_xlim()[1] >= bars_end  # no bar runs past the axis
+
+
+def test_format_bytes_picks_the_unit():
+    from anatomy_helpers.units import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1536, 3 * 2**20, 5 * 2**30)] == ["512 B", "1.50 KiB", "3.00 MiB", "5.00 GiB"]
+
+
+def test_figure_digest_sees_the_data_not_the_text():
+    from anatomy_helpers.plots import CourseFigure
+    from anatomy_helpers.widgets import figure_digest
+
+    def figure(values, title):
+        fig = CourseFigure()
+        ax = fig.add_subplot()
+        ax.bar(range(len(values)), values)
+        ax.plot(values)
+        ax.set_title(title)
+        return fig
+
+    same = figure([1, 2, 3], "batch 8")
+    assert figure_digest(same) == figure_digest(figure([1, 2, 3], "batch 9"))  # an echo of the control: same data
+    assert figure_digest(same) != figure_digest(figure([1, 2, 4], "batch 8"))  # a new measurement

@@ -1,36 +1,75 @@
 """Lesson 06's prediction helpers: will it fit, which phase runs out first, the cheapest fix."""
 
+import dataclasses
+import math
+
 import pytest
 import torch
 from matplotlib.figure import Figure
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
 from anatomy_helpers.allocator import min_limit_to_pass
-from anatomy_helpers.dryrun import dry_run_config
-from anatomy_helpers.fit import (
-    CUDA_CONTEXT_BYTES,
-    DEVICES,
-    cheapest_fix,
-    devices,
-    fixes_table,
-    step_flops,
-    usable_bytes,
-    will_it_fit,
-)
+from anatomy_helpers.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, get_device, gib_device
+from anatomy_helpers.dryrun import build_fake_model, course_batch, dry_run_config, gpt_loss
+from anatomy_helpers.fit import will_it_fit
+from anatomy_helpers.fixes import EFFECTS, cheapest_fix, fixes_table, step_flops
 from anatomy_helpers.lessons.prediction import fit_panel, plot_fit
-from anatomy_helpers.model import ModelConfig
+from anatomy_helpers.model import GPT, ModelConfig
 from anatomy_helpers.tracker import StepTracker
 
 from .conftest import SMALL
 
+#: GPT-2 small at 1,024 positions: batch 12 does not fit on a T4 (notebook 06's example).
+GPT2_SMALL = ModelConfig(n_layer=12, d_model=768, n_head=12, vocab_size=50304, seq_len=1024, attn_impl="sdpa")
 
-def test_devices_and_usable_memory():
-    assert DEVICES["T4 16 GB"] == 16 * 10**9 and DEVICES["H200 141 GB"] == 141 * 10**9
-    assert usable_bytes("T4 16 GB") == 16 * 10**9 - CUDA_CONTEXT_BYTES == 16 * 10**9 - 2**29
-    assert usable_bytes(2**30) == 2**29
-    assert ("this GPU" in devices()) == torch.cuda.is_available()
-    with pytest.raises(ValueError, match="device must be one of"):
-        usable_bytes("T5")
+
+def test_devices_are_the_driver_totals_in_mib():
+    mib = {name: dev.total / 2**20 for name, dev in DEVICES.items()}
+    # nvidia-smi's totals (docs/references.md); marketed GB are neither 10**9 nor 2**30 bytes
+    assert mib == {"t4": 15_360, "l4": 23_034, "a100-40": 40_960, "a100-80": 81_920, "h100": 81_559, "h200": 143_771}
+    assert all(dev.usable == dev.total - CUDA_CONTEXT_BYTES for dev in DEVICES.values())
+    assert get_device("T4") is DEVICES["t4"] and get_device(2**30).usable == 2**29
+    assert gib_device(24).total == 24 * 2**30
+    assert ("this GPU" in device_names()) == torch.cuda.is_available()
+
+
+def test_bf16_is_native_from_compute_capability_8():
+    assert [name for name, dev in DEVICES.items() if not dev.bf16_native] == ["t4"]  # 7.5; the rest 8.0 to 9.0
+    assert DEVICES["t4"].mixed_precision == "float16" and DEVICES["a100-40"].mixed_precision == "bfloat16"
+    assert get_device(2**34).bf16_native is None  # a size alone: capability unknown
+
+
+@pytest.mark.parametrize("device", [-1, 0, True, math.nan, 1.5, "x", "T4 16 GB", None, [16]])
+def test_bad_devices_are_refused_naming_the_argument(device):
+    with pytest.raises(ValueError, match="device must be"):
+        get_device(device)
+    with pytest.raises(ValueError, match="device must be"):
+        will_it_fit(ModelConfig(**SMALL), 2, device=device)  # before any dry run
+
+
+@pytest.mark.parametrize("gib", [0, -2, math.nan, math.inf, True, "16"])
+def test_bad_device_sizes_are_refused(gib):
+    with pytest.raises(ValueError, match="finite number of GiB"):
+        gib_device(gib)
+
+
+def test_this_gpu_reads_mem_get_info(monkeypatch):
+    """The CUDA branch, run on CPU with torch.cuda's answers stood in: total and free from mem_get_info, the
+    memory outside the allocator (total - free - reserved) as the context when it exceeds the allowance."""
+    total, free, reserved = 80 * 2**30, 78 * 2**30, 2**30  # 1 GiB outside the allocator
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: reserved)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    dev = get_device("this GPU")
+    assert dev.total == total and dev.context == total - free - reserved and dev.context_measured
+    assert dev.bf16_native and "A100" in dev.name and "this GPU" in device_names()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (total - reserved - 2**20, total))
+    assert get_device("this GPU").context == CUDA_CONTEXT_BYTES  # 1 MiB measured: the allowance is larger
 
 
 def test_fit_report_phases_are_the_dry_runs_phase_peaks():
@@ -45,6 +84,7 @@ def test_fit_report_phases_are_the_dry_runs_phase_peaks():
         assert p.reserved >= p.tensors  # the simulated allocator rounds up and caches
     assert report.fits and report.first_failure is None and "FITS" in report.verdict()
     assert "CUDA context (assumed)" in report.table()
+    assert "(MiB;" in report.table() and " 0.00 " not in report.table()  # a small step in MiB, not GiB on a T4
 
 
 def test_verdict_names_the_first_phase_that_runs_out():
@@ -66,6 +106,8 @@ def test_micro_batch_bound_covers_real_gradient_accumulation():
     cfg = ModelConfig(**SMALL)
     fixes = {f.name: f for f in cheapest_fix(cfg, 4, implementation="single", device=10**9)}
     fix = fixes["micro-batch 2 x 2 (accumulate)"]
+    direct = will_it_fit(cfg, 4, implementation="single", device=10**9, micro_batches=2)
+    assert direct.phases == fix.report.phases and "x 2 micro-batches" in direct.label
     model = make_model(device="cpu", **SMALL)
     opt = make_optimizer(model, "adamw", foreach=False)
     tracker = StepTracker(model, opt, kernel_scratch=False, accumulate=True)
@@ -77,6 +119,33 @@ def test_micro_batch_bound_covers_real_gradient_accumulation():
     assert fix.micro_batches == 2 and fix.extra_flops == pytest.approx(0, abs=1e-9)
 
 
+def _flops_under_autocast(cfg, batch_size, dtype):
+    mode = FakeTensorMode()
+    model = build_fake_model(lambda: GPT(cfg), mode)
+    with mode, FlopCounterMode(display=False) as counter:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = gpt_loss(model, course_batch(batch_size, cfg.seq_len))
+        loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("changes", [{}, {"attn_impl": "sdpa", "block": "llama"}])
+def test_flops_need_no_recount_for_autocast_or_smaller_batches(changes):
+    cfg = ModelConfig(**SMALL, **changes)
+    base = step_flops(cfg, 4)
+    assert _flops_under_autocast(cfg, 4, torch.bfloat16) == _flops_under_autocast(cfg, 4, torch.float16) == base
+    assert 2 * step_flops(cfg, 2) == 4 * step_flops(cfg, 1) == base  # linear in the batch
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective", "attention", "offload"])
+def test_flops_from_one_and_two_blocks_equal_the_full_count(policy):
+    from anatomy_helpers.fixes import _flops_of
+
+    for changes in ({}, {"block": "llama", "n_kv_head": 1, "attn_impl": "sdpa", "dropout": 0.1}):
+        cfg = ModelConfig(**{**SMALL, "n_layer": 5, **changes}, checkpoint=policy)
+        assert step_flops(cfg, 2) == _flops_of(dataclasses.astuple(cfg), 2)
+
+
 def test_checkpointing_costs_flops_and_fixes_are_ranked():
     cfg = ModelConfig(**SMALL)
     none, full = step_flops(cfg, 4), step_flops(ModelConfig(**SMALL, checkpoint="full"), 4)
@@ -84,10 +153,60 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
     fixes = cheapest_fix(cfg, 4, device=2 * 2**30)
     assert all(f.fits for f in fixes[:-1] if fixes[-1].fits)  # fitting candidates come first
     fitting = [f for f in fixes if f.fits]
-    assert fitting == sorted(fitting, key=lambda f: (f.changes_training, round(f.extra_flops, 3), f.micro_batches))
+    key = lambda f: (EFFECTS.index(f.effect), round(f.extra_flops, 3), f.micro_batches)  # noqa: E731
+    assert fitting == sorted(fitting, key=key)
     ck = next(f for f in fixes if f.name == "checkpoint=full")
-    assert ck.extra_flops == pytest.approx(full / none - 1)
-    assert "CHANGES TRAINING" in fixes_table(fixes)
+    assert ck.extra_flops == pytest.approx(full / none - 1) and ck.effect == "time only"
+    assert {f.name: f.effect for f in fixes if not f.name.startswith("checkpoint")} == {
+        "micro-batch 2 x 2 (accumulate)": "time only",
+        "batch 2 (smaller global batch)": "global batch",
+        "fused optimizer": "time only",
+        "SGD with momentum": "optimizer",
+        "bf16 autocast": "numerics",  # a size alone: capability unknown, bf16 offered with a note
+    }
+    assert "numerics" in fixes_table(fixes)
+
+
+def test_training_preserving_fixes_rank_first_and_the_t4_gets_fp16():
+    t4 = cheapest_fix(GPT2_SMALL, 12, device="t4")
+    names = [f.name for f in t4]
+    assert names[:2] == ["micro-batch 6 x 2 (accumulate)", "checkpoint=full"]  # time only, ahead of autocast
+    assert "fp16 autocast + GradScaler" in names and "bf16 autocast" not in names  # sm_75: no native bf16
+    amp = next(f for f in t4 if f.name.startswith("fp16"))
+    assert amp.fits and amp.extra_flops == 0 and amp.effect == "numerics" and "GradScaler" in amp.name
+    assert names.index("fp16 autocast + GradScaler") > names.index("checkpoint=full")  # numerics are not free
+    smaller = next(f for f in t4 if f.effect == "global batch")
+    assert smaller.name == "batch 6 (smaller global batch)" and smaller.fits
+    # the same dry run as the micro-batch's, without what accumulation adds
+    micro = t4[0]
+    assert smaller.report.peak.tensors < micro.report.peak.tensors
+    a100 = [f.name for f in cheapest_fix(GPT2_SMALL, 12, device="a100-40")]
+    assert "bf16 autocast" in a100 and not any(n.startswith("fp16") for n in a100)
+
+
+def test_bf16_on_a_t4_gets_a_note():
+    report = will_it_fit(ModelConfig(**SMALL), 2, autocast="bfloat16", device="t4")
+    assert "no native bfloat16" in report.table()
+    assert not will_it_fit(ModelConfig(**SMALL), 2, autocast="bfloat16", device="a100-80").note
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"micro_batches": 3}, "multiple of micro_batches"),
+        ({"optimizer": "lion"}, "optimizer"),
+        ({"autocast": "fp8"}, "autocast"),
+        ({"batch_size": 10**12}, "cannot fit, and no dry run"),
+        ({"cfg": ModelConfig(**{**SMALL, "n_layer": 2000})}, "n_layer must be at most"),
+    ],
+)
+def test_bad_requests_are_refused_before_any_dry_run(kwargs, match):
+    kwargs = {"cfg": ModelConfig(**SMALL), "batch_size": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        will_it_fit(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        cheapest_fix(**kwargs)
 
 
 def test_plot_and_panel(capsys):
@@ -96,4 +215,21 @@ def test_plot_and_panel(capsys):
     ax = fig.axes[0]
     assert isinstance(fig, Figure) and "MiB" in ax.get_ylabel() and ax.get_title()
     assert isinstance(fit_panel(batch_size=1), Figure)
-    assert "usable on T4 16 GB" in capsys.readouterr().out
+    assert "usable on T4" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+def test_this_gpu_reads_the_real_device_and_a_known_one_matches_its_table_entry():
+    """On a GPU (scripts/gpu_check.py): "this GPU" is what the driver says, and where the GPU is one of DEVICES,
+    the table's MiB total is within 1 % of mem_get_info's (the table is nvidia-smi's figure)."""
+    from anatomy_helpers.devices import DEVICES, this_gpu
+
+    dev = this_gpu()
+    free, total = torch.cuda.mem_get_info()
+    assert dev.total == total and 0 < dev.usable < total and dev.capability == torch.cuda.get_device_capability()
+    print(f"this GPU: {dev.name}, {total / 2**20:,.0f} MiB, context {dev.context / 2**20:,.0f} MiB")
+    same_kind = [e for e in DEVICES.values() if e.name.split()[0] in dev.name]  # "A100" has two sizes
+    if same_kind:
+        print("table:", ", ".join(f"{e.name} {e.total / 2**20:,.0f} MiB" for e in same_kind))
+        assert any(abs(e.total - total) <= 0.01 * total and e.capability == dev.capability for e in same_kind)

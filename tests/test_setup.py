@@ -114,3 +114,64 @@ def test_lab_settings_switch_off_the_news_pop_up():
         .as_posix()
         .endswith("share/jupyter/lab/settings/overrides.d/training-step-anatomy.json")
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--here", "--cpu", "lab", "--port=9"],
+        ["lab", "--here", "--cpu", "--port=9"],
+        ["--cpu", "lab", "--here", "--port=9"],
+    ],
+)
+def test_options_work_before_and_after_the_command(argv):
+    """`bash scripts/lab.sh --here` passes its options after `lab`; an option left out there keeps the one before."""
+    args, extra = course.parse_args(argv)
+    assert (args.command, args.here, args.gpu, extra) == ("lab", True, False, ["--port=9"])
+
+
+def test_the_torch_download_shows_progress_and_the_local_attempt_is_quiet(monkeypatch, capsys):
+    runs = []
+    monkeypatch.setattr(course.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)) or
+                        subprocess.CompletedProcess(cmd, 1 if len(runs) == 1 else 0))  # fmt: skip
+    course.install_torch(course.Env(Path(sys.executable), Path(sys.prefix), False), gpu=False, wheelhouse=None)
+    (local, local_kw), (download, download_kw) = runs  # the local wheel fails here, so the download runs
+    assert "-q" in local and local_kw["capture_output"]  # an expected failure, not shown
+    assert "-q" not in download and not download_kw["capture_output"]  # pip's download line and progress bar
+    assert "trying" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, runs",
+    [([], True), (["-x", "-k", "lab"], True), (["tests/test_browser.py"], True), (["-m", "not delivery"], False),
+     (["tests/test_setup.py"], False), (["tests/test_setup.py::test_x", "tests/test_browser.py"], True)],
+)  # fmt: skip
+def test_the_browser_is_prepared_only_for_runs_that_include_the_browser_test(extra, runs):
+    assert course.runs_browser_test(extra) == runs
+
+
+def test_chromium_is_found_or_installed_before_pytest_starts(tmp_path, monkeypatch):
+    """Under xdist a test's output reaches the console only when it ends: the install must happen before pytest."""
+    runs = []
+    monkeypatch.setattr(course.subprocess, "run", lambda cmd, **kw: runs.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0))  # fmt: skip
+    course.run_tests(fake_env(tmp_path), [])
+    browser = next(i for i, cmd in enumerate(runs) if "ensure_browser" in " ".join(cmd))
+    pytest_run = next(i for i, cmd in enumerate(runs) if cmd[1:3] == ["-m", "pytest"])
+    assert browser < pytest_run
+
+
+def test_installing_chromium_says_what_and_why_before_it_starts_and_shows_apt_get(monkeypatch):
+    browser_check = load_script("browser_check")
+    found = iter([None, "/usr/bin/chromium"])  # missing, then installed
+    monkeypatch.setattr(browser_check, "find_chromium", lambda: next(found))
+    monkeypatch.setattr(browser_check, "_can_apt", lambda: [])  # root
+    events = []
+    monkeypatch.setattr(browser_check.subprocess, "run", lambda cmd, **kw: events.append(("run", cmd, kw)) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))  # fmt: skip
+    chromium, why = browser_check.ensure_browser(log=lambda m: events.append(("log", m)))
+    assert (chromium, why) == ("/usr/bin/chromium", "")
+    first = events[0]
+    assert first[0] == "log" and "apt-get install chromium" in first[1] and "browser test" in first[1]
+    apt = [kw for e, cmd, kw in (e for e in events if e[0] == "run") if "apt-get" in cmd]
+    assert len(apt) == 2 and all("stdout" not in kw and not kw.get("capture_output") for kw in apt)  # progress shown

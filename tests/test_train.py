@@ -68,3 +68,36 @@ def test_autocast_keeps_fp32_model_states_and_saves_bf16_matmul_inputs(small):
     assert any(s.dtype == torch.bfloat16 and s.category == "activations" for s in trace.saved)
     with pytest.raises(ValueError, match="autocast"):
         track_steps(model, opt, autocast="fp8")
+
+
+def test_micro_batches_with_a_tracker_need_accumulate(small):
+    from anatomy_helpers.tracker import StepTracker
+
+    model, opt = small
+    plain = StepTracker(model, opt)
+    with pytest.raises(ValueError, match="accumulate=True"):
+        track_steps(model, opt, steps=2, batch_size=4, micro_batches=2, tracker=plain)
+    assert opt.state == {}  # refused before any step
+    trace = track_steps(
+        model, opt, steps=2, batch_size=4, micro_batches=2, tracker=StepTracker(model, opt, accumulate=True)
+    )
+    own = track_steps(model, opt, steps=2, batch_size=4, micro_batches=2)  # the tracker track_steps makes itself
+    for t in (trace, own):  # two steps of two forward/backward passes each, not four steps
+        assert [(p.step, p.phase) for p in t.phases() if p.phase != "idle"] == [
+            (s, ph) for s in (1, 2) for ph in ("forward", "backward", "forward", "backward", "optimizer")
+        ]
+
+
+def test_a_tracker_of_another_model_or_a_bad_argument_is_refused_before_any_step():
+    from anatomy_helpers import StepTracker
+
+    model, other = make_model(device="cpu", **SMALL), make_model(device="cpu", **SMALL)
+    opt, other_opt = make_optimizer(model, "sgd"), make_optimizer(other, "sgd")
+    for tracker in (StepTracker(other, other_opt), object()):
+        with pytest.raises(ValueError, match="tracker must be a StepTracker made for this model and optimizer"):
+            track_steps(model, opt, steps=1, batch_size=2, tracker=tracker)
+    bad = [dict(after_step="x"), dict(world_size=True), dict(world_size="2"), dict(micro_batches=2.0), dict(rank=0.5)]
+    for kwargs in bad:
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            track_steps(model, opt, steps=1, batch_size=2, **kwargs)
+    assert all(p.grad is None for p in model.parameters())  # refused before anything ran

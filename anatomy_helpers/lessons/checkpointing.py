@@ -300,8 +300,8 @@ def policy_gradients(policy: Policy, *, batch_size: int = 2, seed: int = 0, devi
 
 
 def same_gradients(a: list[torch.Tensor], b: list[torch.Tensor], exact: bool = True) -> bool:
-    """Whether two lists of gradients are bit for bit the same (``exact=False``: equal to rounding, for GPUs, whose
-    embedding backward adds with atomics in no fixed order)."""
+    """Whether two lists of gradients are bit for bit the same (``exact=False``: equal to rounding, for GPUs, where
+    not every kernel promises a fixed order of its sums; bit-identity is checked on CPU only)."""
     if len(a) != len(b):
         return False
     same = torch.equal if exact else (lambda g, h: torch.allclose(g, h, rtol=1e-4, atol=1e-6))

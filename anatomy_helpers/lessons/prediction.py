@@ -149,7 +149,7 @@ def textbook_comparison(cfg: ModelConfig, batch_size: int, trace: Trace, optimiz
     if not dropout:
         act_why.append("counts dropout masks (no dropout here)")
     if cfg.attn_impl == "sdpa" and not dropout:
-        act_why.append("counts the s^2 attention scores (sdpa keeps none)")
+        act_why.append("counts the s^2 attention scores (sdpa on CPU keeps none)")
     act_why.append("leaves out the head's logits and loss (fp32, N x V)")
     return [
         TextbookRow(
@@ -243,7 +243,7 @@ def fit_panel(
     optimizer: str = "adamw",
     implementation: str = "foreach",
     checkpoint: str = "none",
-    device: str = "T4 16 GB",
+    device: str = "t4",
 ):
     """The notebook's slider panel: dry-run a configuration, print the fit table, return the plot."""
     cfg = ModelConfig(

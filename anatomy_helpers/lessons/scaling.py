@@ -10,11 +10,13 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed import STRATEGIES, RankJob, RankResult
+from ..distributed import STRATEGIES, Collective, RankJob, RankResult
 from ..plots import CourseFigure, plot_timeline
 from ..tables import Col, format_table
 from ..trace import Trace
+from ..tracker import StepTracker
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
 from ..world import format_rank_table, rank_rows, run_world, zero_model_states
@@ -118,8 +120,46 @@ class PrecisionRow:
     gradients: float
     optimizer_state: float
     activations: int  # the most activation bytes alive in step 2
-    weight_copies: int  # bf16 copies of weights autograd saved (autocast's cached casts), distinct storages
+    weight_copies: int  # step 2's saved tensors that are casts of a parameter (autocast's cached copies), distinct
     saved_16bit: float  # fraction of the saved activation bytes that are 16-bit
+
+
+class _ParameterCasts(TorchDispatchMode):
+    """Notes the output of every ``aten._to_copy`` whose input lives in a parameter's storage (entered inside the
+    tracker's own mode, so it sees the op first and the tracker has registered the copy when it returns)."""
+
+    def __init__(self, tracker: CastTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tracker = self.tracker
+        if func is torch.ops.aten._to_copy.default and tracker._active:
+            source = args[0]  # a view or transpose of a weight shares the weight's storage
+            if source.untyped_storage()._cdata in tracker._param_storages:
+                aid = tracker._aid(out, new=False)
+                if aid is not None:
+                    tracker.parameter_casts.add(aid)
+        return out
+
+
+class CastTracker(StepTracker):
+    """A StepTracker that also knows which storages are casts of a parameter (by provenance: made by
+    ``aten._to_copy`` from a parameter's storage, as autocast's weight cache does), in :attr:`parameter_casts`
+    (allocation ids, as in ``Trace.saved``). Views and transposes of a cast share its storage, so they count too."""
+
+    def __init__(self, model, optimizer, **kwargs):
+        super().__init__(model, optimizer, **kwargs)
+        self.parameter_casts: set[int] = set()
+        self._param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+
+    def __enter__(self) -> CastTracker:
+        super().__enter__()
+        mode = _ParameterCasts(self)
+        mode.__enter__()
+        self._undo.append(lambda: mode.__exit__(None, None, None))
+        return self
 
 
 def precision_table(batch_size: int = GLOBAL_BATCH, device=None, **config) -> list[PrecisionRow]:
@@ -129,16 +169,17 @@ def precision_table(batch_size: int = GLOBAL_BATCH, device=None, **config) -> li
     for name, setup in PRECISIONS.items():
         model = make_model(device=device, **config, **({"dtype": setup["dtype"]} if "dtype" in setup else {}))
         n = sum(p.numel() for p in model.parameters())
-        shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+        optimizer = make_optimizer(model, "adamw")
+        tracker = CastTracker(model, optimizer)
         trace = track_steps(
-            model, make_optimizer(model, "adamw"), steps=2, batch_size=batch_size, autocast=setup.get("autocast")
+            model, optimizer, steps=2, batch_size=batch_size, autocast=setup.get("autocast"), tracker=tracker
         )
         before = trace.at(trace.phase(2, "optimizer").start - 1)
         saved = [s for s in trace.saved if s.step == 2 and s.category == "activations"]
-        copies = {s.storage: s.storage_bytes for s in saved if s.dtype == torch.bfloat16 and tuple(s.shape) in shapes}
         distinct = {s.storage: s for s in saved}
         total = sum(s.storage_bytes for s in distinct.values())
         low = sum(s.storage_bytes for s in distinct.values() if s.dtype in (torch.bfloat16, torch.float16))
+        copies = sum(s.storage_bytes for aid, s in distinct.items() if aid in tracker.parameter_casts)
         rows.append(
             PrecisionRow(
                 setup=name,
@@ -146,7 +187,7 @@ def precision_table(batch_size: int = GLOBAL_BATCH, device=None, **config) -> li
                 gradients=before["gradients"] / n,
                 optimizer_state=before["optimizer_state"] / n,
                 activations=int(trace.timeline.category("activations")[trace.window(step=2)].max()),
-                weight_copies=sum(copies.values()),
+                weight_copies=copies,
                 saved_16bit=low / total if total else 0.0,
             )
         )
@@ -260,17 +301,27 @@ def scaling_panel(strategy: str = "fsdp2_zero3", world_size: int = 2, micro_batc
 
 @dataclass(frozen=True)
 class FormulaGap:
-    """Why one rank's measured model states differ from the ZeRO formulas (bytes, measured minus formula)."""
+    """Why one rank's measured model states differ from the ZeRO formulas (bytes, measured minus formula).
+
+    ``parameters == buffers + split + padding + at_rest`` and ``optimizer_state == step_counts + moments`` hold to
+    the byte (:func:`formula_gaps` checks it)."""
 
     strategy: str
     rank: int
     parameters: int  # measured minus formula
     buffers: int  # tensors the model registers besides parameters (the causal mask), counted with parameters
-    padding: int  # FSDP pads each parameter's dim 0 to a multiple of the world size before sharding
+    split: int  # this rank's shard minus an even 1/N share: FSDP cuts each parameter's dim 0 in whole rows
+    padding: int  # FSDP pads each parameter's dim 0 to a multiple of N: the last rank's short shard is padded
+    at_rest: int  # ZeRO-2's formula keeps whole parameters; FSDP2's ZeRO-2-like mode keeps only its shard at rest
     optimizer_state: int  # measured minus formula
+    optimizer_formula: int  # the formula's optimizer state for this rank (for the relative gap)
     step_counts: int  # AdamW's "step" (a scalar tensor per parameter) on every rank holding state for it
-    moments_vs_share: int  # this rank's exp_avg + exp_avg_sq minus the formula's share (uneven split, padding)
+    moments: int  # this rank's exp_avg + exp_avg_sq minus the formula's share (how the parameters were split)
     communication_peak: int  # the most bucket / all-gather / reduce-scatter memory alive at once (no formula term)
+
+    @property
+    def optimizer_relative(self) -> float:
+        return self.optimizer_state / self.optimizer_formula
 
 
 def formula_gaps(results: dict[str, list[RankResult]], buffers: int) -> list[FormulaGap]:
@@ -278,21 +329,29 @@ def formula_gaps(results: dict[str, list[RankResult]], buffers: int) -> list[For
     out = []
     for ranks in results.values():
         for r in ranks:
-            formula = zero_model_states(r.strategy, r.n_params, r.world_size)
+            formula = {k: int(v) for k, v in zero_model_states(r.strategy, r.n_params, r.world_size).items()}
+            sharded = r.torch_param_numel_bytes < 4 * r.n_params  # FSDP2 in either mode
+            share = int(zero_model_states("fsdp2_zero3", r.n_params, r.world_size)["parameters"])
             steps = r.torch_state_by_key.get("step", 0)
-            out.append(
-                FormulaGap(
-                    strategy=r.strategy,
-                    rank=r.rank,
-                    parameters=r.model_states["parameters"] - int(formula["parameters"]),
-                    buffers=buffers,
-                    padding=r.torch_param_bytes - r.torch_param_numel_bytes,
-                    optimizer_state=r.model_states["optimizer_state"] - int(formula["optimizer_state"]),
-                    step_counts=steps,
-                    moments_vs_share=r.torch_state_bytes - steps - int(formula["optimizer_state"]),
-                    communication_peak=int(r.trace.timeline.category("communication").max()),
-                )
+            gap = FormulaGap(
+                strategy=r.strategy,
+                rank=r.rank,
+                parameters=r.model_states["parameters"] - formula["parameters"],
+                buffers=buffers,
+                split=r.torch_param_numel_bytes - share if sharded else 0,
+                padding=r.torch_param_bytes - r.torch_param_numel_bytes,
+                at_rest=share - formula["parameters"] if sharded else 0,
+                optimizer_state=r.model_states["optimizer_state"] - formula["optimizer_state"],
+                optimizer_formula=formula["optimizer_state"],
+                step_counts=steps,
+                moments=r.torch_state_bytes - steps - formula["optimizer_state"],
+                communication_peak=int(r.trace.timeline.category("communication").max()),
             )
+            if gap.parameters != gap.buffers + gap.split + gap.padding + gap.at_rest or (
+                gap.optimizer_state != gap.step_counts + gap.moments
+            ):
+                raise AssertionError(f"the terms do not add up to the measured gap: {gap}")
+            out.append(gap)
     return out
 
 
@@ -300,12 +359,15 @@ def format_formula_gaps(gaps: list[FormulaGap]) -> str:
     cols = [
         Col("strategy", 15, align="<"),
         Col("rank", 4, "d"),
-        Col("params", 8, "+,d"),
-        Col("buffers", 7, ",d"),
-        Col("padding", 7, ",d"),
+        Col("params", 10, "+,d"),
+        Col("=buffers", 8, ",d"),
+        Col("+split", 6, "+,d"),
+        Col("+padding", 8, ",d"),
+        Col("+at rest", 10, "+,d"),
         Col("opt state", 9, "+,d"),
-        Col("steps", 5, ",d"),
-        Col("moments", 8, "+,d"),
+        Col("(%)", 7, "+.2%"),
+        Col("=steps", 6, ",d"),
+        Col("+moments", 8, "+,d"),
         Col("comm peak", 10, ",d"),
     ]
     rows = [
@@ -314,12 +376,25 @@ def format_formula_gaps(gaps: list[FormulaGap]) -> str:
             g.rank,
             g.parameters,
             g.buffers,
+            g.split,
             g.padding,
+            g.at_rest,
             g.optimizer_state,
+            g.optimizer_relative,
             g.step_counts,
-            g.moments_vs_share,
+            g.moments,
             g.communication_peak,
         ]
         for g in gaps
     ]
-    return format_table(cols, rows, note="(bytes: measured minus formula, and what makes up the difference)")
+    return format_table(cols, rows, note="(bytes: measured minus formula, and the terms that make it up)")
+
+
+def communication_at_peak(result: RankResult) -> tuple[int, list[int], Collective]:
+    """(timeline index of the rank's communication peak, the communication storages alive there largest first,
+    the last collective issued before it)."""
+    timeline = result.trace.timeline.category("communication")
+    index = int(np.argmax(timeline))
+    alive = sorted((a.bytes for a in result.trace.live_allocations(index, "communication")), reverse=True)
+    last = [c for c in result.collectives if c.index <= index][-1]
+    return index, alive, last

@@ -1,0 +1,70 @@
+"""Argument checks shared by every public function: a wrong value is a ValueError that names the argument,
+says what it must be and shows what it got, before any work is done.
+
+Each check returns the value (as an int or float where that is what it must be), so a caller writes
+``steps = positive_int("steps", steps)``. ``bool`` is refused where a number is meant: ``True`` is an int in
+Python, but ``world_size=True`` is a mistake, not 1.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value, *, at_most: int | None = None) -> int:
+    """``value`` as an int >= 1 (and <= ``at_most`` if given)."""
+    if not _is_int(value) or value < 1 or (at_most is not None and value > at_most):
+        rule = "a positive integer" if at_most is None else f"an integer from 1 to {at_most:,}"
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return int(value)
+
+
+def int_in(name: str, value, low: int, high: int, high_text: str | None = None) -> int:
+    """``value`` as an int with ``low <= value < high`` (``high_text``: how the message writes ``high``)."""
+    if not _is_int(value) or not low <= value < high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high_text or high}), got {value!r}")
+    return int(value)
+
+
+def positive_number(name: str, value, *, allow_zero: bool = False) -> float:
+    """``value`` as a finite float > 0 (>= 0 with ``allow_zero``): NaN, infinities and strings are refused."""
+    ok = _is_real(value) and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        rule = "a finite number >= 0" if allow_zero else "a finite positive number"
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return float(value)
+
+
+def whole_bytes(name: str, value, *, allow_zero: bool = False) -> int:
+    """A number of bytes: a finite, whole number (an int, or a float with nothing after the point), > 0."""
+    if _is_real(value) and math.isfinite(value) and float(value).is_integer():
+        value = int(value)
+        if value > 0 or (allow_zero and value == 0):
+            return value
+    rule = "a whole number of bytes >= 0" if allow_zero else "a positive whole number of bytes"
+    raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def one_of(name: str, value, choices: Iterable):
+    """``value`` itself, if it is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def optional_callable(name: str, value) -> Callable | None:
+    """``value`` if it is None or can be called."""
+    if value is not None and not callable(value):
+        raise ValueError(f"{name} must be a function (or None), got {type(value).__name__} {value!r}")
+    return value

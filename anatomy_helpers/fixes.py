@@ -1,0 +1,208 @@
+"""The cheapest fix for a training step that does not fit: candidate changes, each verified by a dry run under the
+same capped allocator simulator as :func:`anatomy_helpers.fit.will_it_fit`, and ranked by whether they fit, what
+they change in training (:data:`EFFECTS`) and their extra FLOPs. Lesson 06 and the CLI's ``predict --fix``.
+
+Bytes everywhere unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, replace
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from .devices import Device
+from .dryrun import build_fake_model, course_batch, gpt_loss
+from .fit import DryRuns, FitReport, check_request, fit_run
+from .model import GPT, ModelConfig
+from .tables import Col, format_table
+from .units import pick_unit
+
+
+@functools.lru_cache(maxsize=64)  # bounded: one entry per configuration counted, a few bytes each
+def _flops_of(fields: tuple, batch_size: int) -> int:
+    cfg = ModelConfig(*fields)
+    mode = FakeTensorMode()
+    model = build_fake_model(lambda: GPT(cfg), mode)
+    with mode, FlopCounterMode(display=False) as counter:
+        loss = gpt_loss(model, course_batch(batch_size, cfg.seq_len))
+        loss.backward()
+    return int(counter.get_total_flops())
+
+
+def step_flops(cfg: ModelConfig, batch_size: int, autocast: str | None = None) -> int:
+    """FLOPs of one forward + backward of ``cfg`` (matrix multiplications and attention, as torch's
+    ``FlopCounterMode`` counts them), on fake tensors: checkpointing's recomputation is counted, the optimizer
+    (element-wise, a few FLOPs per parameter) is not; nor are element-wise ops (what "selective" recomputes).
+
+    ``autocast`` changes no count: autocast casts the inputs of the same ops, and every formula in torch's
+    ``flop_counter.py`` reads shapes only (tests/test_prediction.py checks it). So it is not counted again.
+    Nor is every layer: the blocks are identical (same shapes, same policy per block), so the count is
+    ``F(1) + (L - 1) * (F(2) - F(1))``, from models of one and two blocks; exact (tested against the full count).
+    ``every_k`` checkpointing groups blocks into segments, so it is counted whole.
+    """
+    if autocast not in (None, "bfloat16", "float16"):
+        raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
+    if cfg.n_layer <= 2 or cfg.checkpoint == "every_k":
+        return _flops_of(dataclasses.astuple(cfg), batch_size)
+    one, two = (_flops_of(dataclasses.astuple(replace(cfg, n_layer=n)), batch_size) for n in (1, 2))
+    return one + (cfg.n_layer - 1) * (two - one)
+
+
+#: What a fix changes, in the order the ranking prefers them: only the time a step takes (the same maths), the
+#: numerics (16-bit matmuls), the global batch (fewer sequences per optimizer step), or the optimizer.
+EFFECTS = ("time only", "numerics", "global batch", "optimizer")
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One candidate change, verified by a dry run, and what it costs."""
+
+    name: str
+    report: FitReport
+    extra_flops: float  # matmul FLOPs per sequence trained relative to the original, minus 1 (0.33 = a third more)
+    effect: str  # one of EFFECTS: what the change does to training besides its memory
+    note: str
+    micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step
+
+    @property
+    def fits(self) -> bool:
+        return self.report.fits
+
+    @property
+    def changes_training(self) -> bool:
+        """True when the training itself changes (numerics, global batch, optimizer), not only its cost."""
+        return self.effect != "time only"
+
+
+def _fix_sort_key(fix: Fix):
+    # what fits first; then what keeps training as it was, at any FLOP cost (a numerics change is not free); then
+    # the extra FLOPs; fewer micro-batches at equal FLOPs (small matrix multiplications use a GPU less well)
+    flops = round(fix.extra_flops, 3)
+    return (not fix.fits, EFFECTS.index(fix.effect), flops, fix.micro_batches, fix.report.peak.tensors)
+
+
+def cheapest_fix(
+    cfg: ModelConfig | None = None,
+    batch_size: int = 8,
+    *,
+    optimizer: str = "adamw",
+    implementation: str = "foreach",
+    autocast: str | None = None,
+    device: str | int | Device = "t4",
+    micro_batches: int = 1,
+) -> list[Fix]:
+    """Candidate changes that lower the peak, each checked by another dry run, ranked: the ones that fit first,
+    then by what they change (:data:`EFFECTS`: time only, then numerics, global batch, optimizer), then by extra
+    FLOPs (measured with ``FlopCounterMode``).
+
+    * **Micro-batches with gradient accumulation** (time only: the global batch is kept; 2, 4, 8, ... dividing
+      the batch, up to the first that fits): ``dry_run_config`` has no micro-batches, so we dry-run the smaller
+      batch and add the whole gradient bytes to its forward and backward, and the rest of the global batch's
+      inputs (``track_steps`` slices micro-batches out of it) to every phase: an upper bound (from the second
+      micro-batch on, the accumulated gradients are alive throughout; tests/test_prediction.py checks it against
+      ``track_steps(micro_batches=k)``); the same FLOPs per global batch (smaller matrix multiplications run less
+      efficiently: a time cost FLOPs do not show);
+    * **A smaller global batch** (the same dry run as the micro-batch's, without accumulation: changes the
+      global batch);
+    * **Activation checkpointing** (time only): "attention" (only where the ``s^2`` scores are kept),
+      "selective", "full";
+    * **The fused optimizer** (time only: no temporaries, the same maths) and **SGD with momentum** (half of
+      Adam's state: another optimizer);
+    * **Mixed precision** (numerics): bf16 autocast where the device has native bf16 (compute capability 8.0 and
+      up); on a T4 (7.5) fp16 autocast with a GradScaler instead, as ``torch.cuda.is_bf16_supported`` draws the
+      line. The fp32 parameters stay the master weights. Pure 16-bit parameters with a separate fp32 master copy
+      need a custom optimizer, which ``dry_run_config`` cannot build: not offered.
+
+    With ``micro_batches=m`` the configuration already accumulates: every candidate keeps it, and the
+    accumulation candidates try 2m, 4m, ... micro-batches.
+    """
+    cfg = cfg if cfg is not None else ModelConfig()
+    dev = check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches)
+    m, runs = micro_batches, DryRuns()
+    kw = dict(optimizer=optimizer, implementation=implementation, autocast=autocast)
+    base_flops = step_flops(cfg, batch_size)
+    fixes = []
+
+    def candidate(name, effect, note, new_cfg=cfg, b=batch_size, micro=m, flops=None, **over):
+        run = {**kw, **over}
+        report = fit_run(runs, new_cfg, b, run["optimizer"], run["implementation"], run["autocast"], dev, micro)
+        flops = step_flops(new_cfg, b) * batch_size // b if flops is None else flops  # per global batch
+        return Fix(name, report, flops / base_flops - 1, effect, note, micro)
+
+    def add(*args, **kwargs):
+        fixes.append(candidate(*args, **kwargs))
+
+    # Micro-batches and smaller batches: FLOPs per sequence do not change (every FLOP formula is linear in the
+    # batch), so they are not counted again.
+    k, tried = 2 * m, []
+    while k <= batch_size and not any(f.fits for f in fixes):  # the fewest micro-batches that fit
+        if batch_size % k == 0:
+            tried.append(k)
+            note = "accumulated gradients and the whole batch's inputs added (upper bound); same global batch"
+            add(f"micro-batch {batch_size // k} x {k} (accumulate)", "time only", note, micro=k, flops=base_flops)
+        k *= 2
+    smaller = None  # one smaller global batch, in m micro-batches: the largest that fits, from the same dry runs
+    for k in tried:
+        b = batch_size * m // k
+        note = f"{k // m}x fewer sequences per step; the learning rate may need retuning"
+        smaller = candidate(f"batch {b} (smaller global batch)", "global batch", note, b=b, flops=base_flops)
+        if smaller.fits:
+            break
+    if smaller is not None:
+        fixes.append(smaller)
+    scores_kept = cfg.attn_impl == "manual" or cfg.dropout > 0  # sdpa without dropout keeps no s^2 scores
+    for policy in ("attention", "selective", "full") if scores_kept else ("selective", "full"):
+        if cfg.checkpoint != policy:
+            note = "recomputes in backward" + (
+                " (element-wise ops: not in the FLOP count)" if policy == "selective" else ""
+            )
+            add(f"checkpoint={policy}", "time only", note, new_cfg=replace(cfg, checkpoint=policy))
+    if implementation != "fused" and optimizer in ("adam", "adamw"):
+        note = "no optimizer temporaries; same maths"
+        add("fused optimizer", "time only", note, implementation="fused", flops=base_flops)
+    if optimizer in ("adam", "adamw"):
+        note = "one state buffer instead of two: another optimizer"
+        add("SGD with momentum", "optimizer", note, optimizer="momentum", flops=base_flops)
+    if autocast is None and cfg.dtype == "float32":
+        add(*_mixed_precision(dev), autocast=dev.mixed_precision, flops=base_flops)
+    return sorted(fixes, key=_fix_sort_key)
+
+
+def _mixed_precision(dev: Device) -> tuple[str, str, str]:
+    """The mixed-precision candidate for ``dev``: its name, effect and note."""
+    cuda = "CUDA autocast runs softmax, log_softmax and layer_norm in fp32: more"
+    rules = f"activations by CPU autocast's op lists ({cuda})"
+    if dev.mixed_precision == "float16":
+        major, minor = dev.capability
+        return (
+            "fp16 autocast + GradScaler",
+            "numerics",
+            f"no native bf16 on {dev.name} ({major}.{minor} < 8.0); fp32 master weights; {rules}; "
+            "the scaler's state is a few scalars",
+        )
+    unknown = " (bf16 needs compute capability >= 8.0; below: fp16 + GradScaler)" if dev.bf16_native is None else ""
+    return "bf16 autocast", "numerics", f"fp32 master weights; {rules}{unknown}"
+
+
+def fixes_table(fixes: list[Fix]) -> str:
+    """The candidates, ranked as :func:`cheapest_fix` ranks them."""
+    unit, scale = pick_unit(max(f.report.peak.tensors for f in fixes))
+    cols = [
+        Col("rank", 4),
+        Col("change", 34, align="<", gap="  "),
+        Col("peak", 8, ".2f"),
+        Col("fits", 5),
+        Col("extra FLOPs", 11, "+.0%"),
+        Col("changes", 12, align="<", gap="  "),
+        Col("note", 60, align="<", gap="  "),
+    ]
+    rows = [
+        (i, f.name, f.report.peak.tensors / scale, "yes" if f.fits else "no", f.extra_flops, f.effect, f.note)
+        for i, f in enumerate(fixes, 1)
+    ]
+    note = f"({unit} of tensors at the peak; fits: simulated allocator under the cap; extra FLOPs per sequence)"
+    return format_table(cols, rows, note=note)
