@@ -8,14 +8,22 @@ does, and every table and plot of the course works on it, for models far larger 
 
 How the model is made without memory: the model factory runs under ``torch.device("meta")`` (parameters with a
 shape and no storage), then :func:`fake_module` swaps every parameter and buffer for a fake tensor on the target
-device, keeping shared (tied) tensors shared.
+device, keeping shared (tied) tensors and shared storages shared.
 
-What a dry run cannot see is :data:`KERNEL_SCRATCH_RULE`.
+Exact or refused. The sizes come from each op's fake kernel, a shape function written apart from the real kernel,
+and the two can differ (oneDNN's LSTM layer saves a workspace its fake kernel leaves empty). So every dry run
+records its ops, and each op signature not yet seen in this process is run once for real at the smallest shape
+the run used (a large ``dry_run_config`` configuration: on a small twin) and compared output by output
+(fake_check.py says how and what that cannot see). An op whose fake kernel differs gets a :class:`DryRunError`
+naming it and the module it ran in; no correction is guessed. What a dry run that returns still cannot see is
+:data:`KERNEL_SCRATCH_RULE`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,18 +34,22 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from . import fake_check
+from .fake_check import CheckedFakeTensorMode, check_calls, op_checked
 from .interrupts import DeferredInterrupt
 from .model import GPT, ModelConfig
 from .trace import Trace
 from .tracker import StepTracker
 from .train import make_optimizer
 
-#: The rule for the one category a dry run cannot measure.
+#: What a dry run guarantees, and the one category it cannot measure.
 KERNEL_SCRATCH_RULE = (
-    "A dry run sees every storage an op returns, autograd saves or a policy keeps, so it is exact for every "
-    "category but kernel scratch: memory a kernel allocates and frees inside one op. Fake tensors run no kernels, "
-    "so the trace says kernel_scratch_recorded=False and that category reads 0 because it is unknown. It is "
-    "compared with a real run measured with StepTracker(..., kernel_scratch=False); on CPU kernel scratch is "
+    "A dry run sees every storage an op returns, autograd saves or a policy keeps. Each op's sizes come from its "
+    "fake kernel, checked once per session against the real kernel of this machine (run at a small shape); an op "
+    "whose fake kernel differs is refused with a DryRunError naming it. So a dry run that returns is exact for "
+    "every category but kernel scratch: memory a kernel allocates and frees inside one op. Fake tensors run no "
+    "kernels, so the trace says kernel_scratch_recorded=False and that category reads 0 because it is unknown. It "
+    "is compared with a real run measured with StepTracker(..., kernel_scratch=False); on CPU kernel scratch is "
     "measured only by real runs (the tracker's default), on CUDA only by the allocator's own counters."
 )
 
@@ -51,15 +63,33 @@ class DryRunError(ValueError):
 def fake_module(model: nn.Module, mode: FakeTensorMode, device: str | torch.device = "cpu") -> nn.Module:
     """Replace every parameter and buffer of ``model`` (in place) by a fake tensor on ``device``; returns it.
 
-    Same shape, strides, dtype and ``requires_grad``; a tensor shared by two modules (tied weights) stays shared.
+    Same shape, strides, storage offset, dtype and ``requires_grad``, and a storage of the same bytes: a tensor
+    shared by two modules (tied weights) stays one tensor, and tensors that share a storage (a buffer that is a
+    view of another) still share one. Modules that keep their own references to their parameters or buffers
+    (``nn.LSTM``'s ``_flat_weights`` list, weak references) get the fake tensors there too. A tensor a module
+    keeps outside its parameters and buffers that is *derived* from them (``self.w_t = self.weight.t()``) cannot
+    be rebuilt: :class:`DryRunError`.
     """
-    new: dict[int, torch.Tensor] = {}
+    storages: dict[int, torch.UntypedStorage] = {}  # the original storage's id -> its fake stand-in
+    new: dict[int, torch.Tensor] = {}  # id of an original tensor -> its fake stand-in
+    old: list[torch.Tensor] = []  # the originals, alive until the end so that no id is reused
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in new:
+            key = t.untyped_storage()._cdata
             with mode:
-                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                if key in storages:  # a view of a storage already made
+                    f = torch.empty(0, dtype=t.dtype, device=device)
+                    f.set_(storages[key], t.storage_offset(), t.shape, t.stride())
+                else:
+                    f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                    if t.storage_offset() or f.untyped_storage().nbytes() != t.untyped_storage().nbytes():
+                        st = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=device)
+                        f = torch.empty(0, dtype=t.dtype, device=device)
+                        f.set_(st.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+                    storages[key] = f.untyped_storage()
             new[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+            old.append(t)
         return new[id(t)]
 
     for module in model.modules():
@@ -67,7 +97,38 @@ def fake_module(model: nn.Module, mode: FakeTensorMode, device: str | torch.devi
             for name, t in list(table.items()):
                 if t is not None:
                     table[name] = fake(t)
+    for name, module in model.named_modules():
+        for attr, value in list(vars(module).items()):
+            if attr not in ("_parameters", "_buffers", "_modules"):
+                swapped = _swap_cached(value, new, f"{name or type(model).__name__}.{attr}")
+                if swapped is not value:
+                    module.__dict__[attr] = swapped
     return model
+
+
+def _swap_cached(value, new: dict[int, torch.Tensor], where: str, depth: int = 0):
+    """``value`` (a module attribute) with every reference to a replaced tensor swapped for its fake stand-in:
+    tensors, weak references to them, and lists, tuples and dicts of those (two levels deep)."""
+    if isinstance(value, torch.Tensor):
+        if id(value) in new:
+            return new[id(value)]
+        if value.device.type == "meta":
+            raise DryRunError(
+                f"{where} is a tensor the module keeps outside its parameters and buffers, made on the meta "
+                "device (from them, it seems): a dry run cannot rebuild it. Register it as a buffer, or compute it "
+                "in forward"
+            )
+        return value
+    if isinstance(value, weakref.ref) and not isinstance(value, weakref.WeakMethod):
+        target = value()
+        return weakref.ref(new[id(target)]) if target is not None and id(target) in new else value
+    if depth < 2 and type(value) in (list, tuple):
+        swapped = [_swap_cached(v, new, where, depth + 1) for v in value]
+        return value if all(a is b for a, b in zip(swapped, value)) else type(value)(swapped)
+    if depth < 2 and type(value) is dict:
+        swapped = {k: _swap_cached(v, new, where, depth + 1) for k, v in value.items()}
+        return value if all(swapped[k] is v for k, v in value.items()) else swapped
+    return value
 
 
 def build_fake_model(
@@ -168,31 +229,50 @@ def dry_run(
     ``model_factory()`` builds the model (it runs on the meta device: create tensors without ``device=``);
     ``batch_factory(step)`` returns the batch, a sequence of tensors (it runs under the fake mode, so
     ``torch.empty``/``torch.zeros`` make fake tensors); ``loss_fn(model, batch)`` runs the model and returns
-    the scalar loss;
-    ``optimizer_factory(model)`` the optimizer (AdamW by default). Exact but for kernel scratch
-    (:data:`KERNEL_SCRATCH_RULE`). Raises :class:`DryRunError` for what it cannot run: a model that reads its
-    tensors' values (``.item()``, data-dependent shapes), tensors made outside the model and the batch factory.
+    the scalar loss; ``optimizer_factory(model)`` the optimizer (AdamW by default).
+
+    Exact or refused (:data:`KERNEL_SCRATCH_RULE`): every op signature of the run is checked once against the
+    real kernel (fake_check.py) and an op whose fake kernel differs gets a :class:`DryRunError` naming it. Also
+    refused: a model that reads its tensors' values (``.item()``, data-dependent shapes), tensors made outside
+    the model and the batch factory, and ops seen only at calls too large to check here (dry-run a smaller
+    instance of the model first: what was checked is remembered for the session).
     """
     _check_steps(steps, autocast)
+    args = (model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device)
+    trace, calls = _run_fake(*args)
+    _check_ops(calls, _model_name(model_factory))
+    return trace
+
+
+def _model_name(model_factory) -> str:
+    return getattr(model_factory, "__name__", type(model_factory).__name__)
+
+
+def _run_fake(*args):
+    """The dry run itself: (its Trace, the op calls to check, see fake_check.CheckedFakeTensorMode).
+
+    ``args``: those of :func:`_fake_steps`.
+    """
     # A Ctrl-C raised inside FakeTensorMode's Python code, which torch's C++ dispatcher called, aborts the whole
     # process (torch 2.13): hold it for the whole dry run; the tracker raises it between two ops.
     interrupt = DeferredInterrupt()
     interrupt.start()
     try:
-        return _dry_run(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device)
+        return _fake_steps(*args)
     finally:
         interrupt.stop()
 
 
-def _dry_run(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device) -> Trace:
-    mode = FakeTensorMode()
+def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device):
+    mode = CheckedFakeTensorMode()  # notes the op calls to check
     model = build_fake_model(model_factory, mode, device)
+    mode.calls.clear()  # making the fake model is the dry run's own doing, not the step's
     try:
         with mode:
             optimizer = optimizer_factory(model)
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise DryRunError(f"the optimizer factory must return a torch.optim.Optimizer, got {optimizer!r}")
-            return run_steps(
+            trace = run_steps(
                 model,
                 optimizer,
                 batch_factory,
@@ -216,6 +296,52 @@ def _dry_run(model_factory, batch_factory, loss_fn, optimizer_factory, steps, au
                 "parameters and buffers) or from the batch factory"
             ) from e
         raise
+    return trace, mode.calls
+
+
+def _check_ops(calls: dict, what: str, small_twin: Callable[[], dict] | None = None) -> None:
+    """Refuse the dry run (DryRunError) unless every op signature in ``calls`` matches its real kernel.
+
+    ``small_twin()``: the calls of a dry run of a smaller model with the same code paths, run only when some
+    signature was seen only at calls too large to run for real here.
+    """
+    problems, unchecked = check_calls(calls)
+    if unchecked and not problems and small_twin is not None:
+        twin_problems, _ = check_calls(small_twin())
+        problems = {key: p for key, p in twin_problems.items() if key in unchecked}
+        unchecked = [key for key in unchecked if not op_checked(key)]
+    if problems:
+        hint = ""
+        if any("mkldnn" in str(key[0]) for key in problems):
+            hint = (
+                " (mkldnn ops are oneDNN kernels: under `with torch.backends.mkldnn.flags(enabled=False):`, around "
+                "the dry run and the real run alike, torch uses its own kernels)"
+            )
+        raise DryRunError(
+            f"a dry run of {what} would not be exact, so it is refused: the fake kernel of "
+            + "; the fake kernel of ".join(problems.values())
+            + hint
+        )
+    if unchecked:
+        ops = sorted({str(key[0]) for key in unchecked})
+        raise DryRunError(
+            f"a dry run of {what} uses {', '.join(ops)} only at calls over {fake_check.MAX_CHECK_BYTES / 2**20:g} MiB "
+            "(or on a device this machine lacks), too large to check against the real kernel here: dry-run a "
+            "smaller instance of the same model first (ops that passed are remembered for the session)"
+        )
+
+
+def _small_twin(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with the same code paths at a size whose every op runs for real in milliseconds: head width 8,
+    at most 16 positions, 64 tokens, and the layers a checkpointing policy needs."""
+    layers = cfg.checkpoint_every + 1 if cfg.checkpoint == "every_k" else 2
+    return dataclasses.replace(
+        cfg,
+        n_layer=min(cfg.n_layer, layers),
+        d_model=cfg.n_head * 8,
+        seq_len=min(cfg.seq_len, 16),
+        vocab_size=min(cfg.vocab_size, 64),
+    )
 
 
 def dry_run_config(
@@ -233,18 +359,29 @@ def dry_run_config(
 
     The same loop as ``track_steps(make_model(**config), make_optimizer(model, optimizer, foreach=..,
     fused=..), steps, batch_size, autocast=...)``, with the same batches' allocations (:func:`course_batch`).
-    Byte for byte the real trace with ``kernel_scratch=False``; any size (nothing is allocated).
+    Byte for byte the real trace with ``kernel_scratch=False``; any size (nothing is allocated). The ops of a
+    large configuration are checked against the real kernels on a small twin (:func:`_small_twin`, once per
+    session for each set of code paths), see :func:`dry_run`.
     """
     if cfg is not None and config:
         raise ValueError("pass either a ModelConfig or its fields as keywords, not both")
     cfg = cfg if cfg is not None else ModelConfig(**config)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return dry_run(
-        lambda: GPT(cfg),
-        lambda step: course_batch(batch_size, cfg.seq_len),
-        gpt_loss,
-        lambda model: make_optimizer(model, optimizer, foreach=foreach, fused=fused),
-        steps,
-        autocast=autocast,
-    )
+    _check_steps(steps, autocast)
+
+    def run(cfg: ModelConfig, batch_size: int):
+        return _run_fake(
+            lambda: GPT(cfg),
+            lambda step: course_batch(batch_size, cfg.seq_len),
+            gpt_loss,
+            lambda model: make_optimizer(model, optimizer, foreach=foreach, fused=fused),
+            steps,
+            autocast,
+            True,
+            "cpu",
+        )
+
+    trace, calls = run(cfg, batch_size)
+    _check_ops(calls, "the course GPT", lambda: run(_small_twin(cfg), min(batch_size, 2))[1])
+    return trace
