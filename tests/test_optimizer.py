@@ -245,3 +245,22 @@ def test_optimizer_bars_prints_and_plots_every_optimizer(capsys):
     adamw_state = 8 * n + 4 * len(params)  # exp_avg and exp_avg_sq in fp32, and a 4-byte step per tensor
     assert f"optimizer state {adamw_state / MiB:.2f};" in lines[-1]
     assert plt.get_fignums() == []  # no pyplot figure left open
+
+
+def test_the_panel_shows_what_the_implementation_changes():
+    """Its step peaks are in backward, where no optimizer has run: the diamonds (step 2's optimizer-phase peaks)
+    must move with the implementation, or the panel's dropdown would change nothing on screen."""
+    import contextlib
+    import io
+
+    from anatomy_helpers.lessons.optimizer import optimizer_bars
+    from anatomy_helpers.widgets import figure_digest
+
+    digests = {}
+    for impl in ("single-tensor", "foreach", "fused"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            fig = optimizer_bars(d_model=64, n_layer=1, implementation=impl, batch_size=2, seq_len=32, device="cpu")
+        digests[impl] = figure_digest(fig)
+        marks = [line for line in fig.axes[0].get_lines() if line.get_marker() == "D"]
+        assert len(marks) == 1 and "optimizer-phase peak" in marks[0].get_label()
+    assert len(set(digests.values())) == 3

@@ -261,13 +261,14 @@ def optimizer_bars(
     notebook 03's slider panel.
     """
     n_head = 4 if d_model % 4 == 0 else 1
-    results = {}
+    results, opt_peak = {}, {}
     for name in OPTIMIZERS:
         model = make_model(device=device, d_model=d_model, n_layer=n_layer, n_head=n_head, seq_len=seq_len)
         opt = build_optimizer(model, name, implementation)
         trace = track_steps(model, opt, steps=2, batch_size=batch_size)
         states = trace.at(trace.optimizer_phase(2).start - 1)
         pk = trace.peak()
+        opt_peak[name] = trace.peak(step=2, phase="optimizer").bytes  # where the implementation's temporaries show
         results[name] = ({c: states[c] for c in MODEL_STATES}, pk.bytes, pk)
     n = sum(p.numel() for p in model.parameters())
     unit, scale = pick_unit(max(peak for _, peak, _ in results.values()))
@@ -283,6 +284,8 @@ def optimizer_bars(
     ax.bar(xs, rest, bottom=bottom, color="white", edgecolor="#777", hatch="//", label="rest of the peak")
     for x, (_, peak, _) in zip(xs, results.values()):
         ax.text(x, peak / scale, f"{peak / scale:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.plot(xs, [opt_peak[name] / scale for name in results], linestyle="none", marker="D", color="black",
+            markersize=6, label="step 2's optimizer-phase peak")  # fmt: skip
     ax.set_xticks(xs, list(results))
     ax.set_ylabel(f"memory ({unit})")
     ax.set_ylim(0, max(peak for _, peak, _ in results.values()) / scale * 1.15)
@@ -291,5 +294,8 @@ def optimizer_bars(
     print(f"{n:,} parameters = {4 * n / MiB:.2f} MiB in fp32; {implementation} implementation")
     for name, (states, peak, pk) in results.items():
         parts = ", ".join(f"{CATEGORY_LABELS[c]} {states[c] / MiB:.2f}" for c in MODEL_STATES)
-        print(f"  {name:<9} {parts}; peak {peak / MiB:.2f} MiB in step {pk.step} {pk.phase}")
+        print(
+            f"  {name:<9} {parts}; peak {peak / MiB:.2f} MiB in step {pk.step} {pk.phase}; "
+            f"optimizer phase {opt_peak[name] / MiB:.2f} MiB"
+        )
     return fig
