@@ -65,11 +65,12 @@ def stack_categories(ax, xs, bytes_by_category: np.ndarray, scale: float) -> Non
     )
 
 
-def legend_of_all(axes, target, extra=()) -> None:
-    """One category legend, on ``target`` (right of it), listing every category drawn in any of ``axes``, each once
-    and in CATEGORIES order, then ``extra`` ((handle, label) pairs: markers, shading); the panels' own legends are
-    removed. A multi-panel figure that kept one panel's legend would leave unexplained the colours that only other
-    panels draw."""
+def legend_of_all(axes, target, extra=(), columns: int = 1) -> None:
+    """One category legend listing every category drawn in any of ``axes``, each once and in CATEGORIES order,
+    then ``extra`` ((handle, label) pairs: markers, shading); the panels' own legends are removed. ``target``: an
+    Axes (the legend goes right of it) or the Figure (below the panels, in ``columns`` columns: a figure that must
+    stay narrow). A multi-panel figure that kept one panel's legend would leave unexplained the colours that only
+    other panels draw."""
     entries = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -79,15 +80,14 @@ def legend_of_all(axes, target, extra=()) -> None:
     labels = [CATEGORY_LABELS[c] for c in CATEGORIES if CATEGORY_LABELS[c] in entries]
     labels += [label for label in entries if label not in labels]
     handles = [entries[label] for label in labels] + [h for h, _ in extra]
-    target.legend(
-        handles,
-        labels + [label for _, label in extra],
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=8,
-        title="category" if not extra else "what is drawn",
-        title_fontsize=8,
-    )
+    labels += [label for _, label in extra]
+    title = "category" if not extra else "what is drawn"
+    if isinstance(target, Figure):
+        target.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=8, title=title,
+                      title_fontsize=8)  # fmt: skip
+    else:
+        target.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title=title,
+                      title_fontsize=8)  # fmt: skip
 
 
 def phase_legend_entries() -> list[tuple]:

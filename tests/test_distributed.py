@@ -17,6 +17,7 @@ from anatomy_helpers.world import format_rank_table, rank_rows, run_world, zero_
 from .conftest import SMALL
 
 WORLD = 2
+NOTEBOOK_COLUMN_PX = 820  # a notebook output in JupyterLab in a 1280 px window: 844 px (scripts/browser_check.py)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +183,7 @@ def test_rank_timelines_legend_names_every_category_marker_and_shading(world):
     from anatomy_helpers.trace import CATEGORIES
 
     fig = plot_rank_timelines(world)
-    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + fig.legends
     assert len(legends) == 1  # one legend for the ten panels
     listed = [t.get_text() for t in legends[0].get_texts()]
     drawn = {  # every category some rank of some strategy holds at some moment, from the traces themselves
@@ -217,3 +218,4 @@ def test_rank_timelines_wrap_four_ranks_into_two_rows(world):
     grid = {(ax.get_subplotspec().rowspan.start, ax.get_subplotspec().colspan.start) for ax in fig.axes}
     assert grid == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert fig.get_size_inches()[0] == pytest.approx(plot_rank_timelines(world).get_size_inches()[0])
+    assert fig.get_size_inches()[0] * 100 <= NOTEBOOK_COLUMN_PX  # unshrunk in a 1280 px window

@@ -202,7 +202,7 @@ def plot_fit(report: FitReport, title: str | None = None):
     ]
     drawn = [line for line in lines if line[0] <= DEVICE_LINE_RANGE * tallest]
     unit, scale = pick_unit(max([tallest] + [b for b, _, _ in drawn]))
-    fig = CourseFigure(figsize=(9, 3.6), layout="constrained")
+    fig = CourseFigure(figsize=(8, 3.6), layout="constrained")  # fits a 1280 px window's notebook column (844 px)
     ax = fig.add_subplot()
     xs = np.arange(len(report.phases))
     shown = [c for c in CATEGORIES if any(p.breakdown.get(c, 0) for p in report.phases)]

@@ -269,7 +269,8 @@ def plot_rank_timelines(results: dict[str, list[RankResult]], strategies=None, *
     ranks = len(results[strategies[0]])
     columns = min(ranks, RANK_COLUMNS)
     rows_each = -(-ranks // columns)
-    fig = CourseFigure(figsize=(5.2 * columns, 2.6 * rows_each * len(strategies) + 0.5), layout="constrained")
+    # 4 in a panel and the legend below them: two panels fit a 1280 px window's notebook column (844 px) unshrunk
+    fig = CourseFigure(figsize=(4 * columns, 2.2 * rows_each * len(strategies) + 1.6), layout="constrained")
     axes = fig.subplots(rows_each * len(strategies), columns, squeeze=False)
     top = max(r.trace.timeline.total.max() for s in strategies for r in results[s])
     unit, scale = pick_unit(top)
@@ -308,7 +309,7 @@ def plot_rank_timelines(results: dict[str, list[RankResult]], strategies=None, *
         for k in COLLECTIVE_MARKERS
         if k in marked
     ]  # fmt: skip
-    legend_of_all(axes.flat, axes[0, -1], extra=markers + phase_legend_entries())
+    legend_of_all(axes.flat, fig, extra=markers + phase_legend_entries(), columns=4)
     fig.suptitle(title or "Per-rank memory: same model, same global batch")
     return fig
 
