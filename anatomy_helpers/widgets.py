@@ -92,7 +92,9 @@ def figure_digest(figure) -> str:
     """A hash of what a figure draws: the data of its lines, bars, areas and images, not its text.
 
     A panel that re-measures draws other data when a control moves; one that ignores the control but echoes its
-    value in a title or a printout keeps the same digest (the browser test tells them apart by it).
+    value in a title or a printout keeps the same digest (the browser test tells them apart by it). Numbers a panel
+    computed that its figure need not draw (a device's memory, off the scale of a small model's bars) count too:
+    the figure's ``panel_numbers`` attribute (a sequence of numbers), where the panel sets one.
     """
     import hashlib
 
@@ -103,6 +105,7 @@ def figure_digest(figure) -> str:
     from matplotlib.patches import Patch
 
     h = hashlib.sha256()
+    h.update(np.asarray(getattr(figure, "panel_numbers", ()), dtype=float).tobytes())
     for ax in getattr(figure, "axes", []):
         for artist in ax.get_children():
             if isinstance(artist, Line2D):

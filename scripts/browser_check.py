@@ -3,14 +3,16 @@
     python scripts/browser_check.py [NN ...] [--artifacts DIR]      # default: every learner notebook with a panel
 
 For each learner notebook with a slider panel: open it in JupyterLab, run all cells, check that no cell shows an
-error, then move every control of every panel once (a slider one notch, a dropdown to its next choice) and check
-that the panel measured again: after each run a panel writes a hidden digest of the data its figure draws
-(widgets.figure_digest: lines, bars, areas, not text), and the digest must change. A panel that echoes the value in
-its title or printout but draws the same data fails, naming the panel and the control. In a 1280 x 900 window (a
-laptop's), each panel is also checked for what would be cut off, before and after each move: the panel within the
-window's width, its figure no wider than the output area (JupyterLab would shrink it), no control label truncated,
-and controls with figure no taller than the notebook's visible height. Screenshots of the first panel before and
-after its first move, and of the page, go to --artifacts.
+error, then move every control of every panel from where the panel opened (a slider one notch, a dropdown to its
+next choice; each control is put back before the next one moves) and check that the panel measured again: after
+each run a panel writes a hidden digest of the data its figure draws and the numbers it computed
+(widgets.figure_digest: lines, bars, areas, not text), and the digest must change. Two settings may legitimately
+draw the same (Adam and AdamW hold the same memory), so a control moves on up to TRIES notches before it counts as
+ignored. A panel that echoes the value in its title or printout but draws the same data fails, naming the panel and
+the control. In a 1280 x 900 window (a laptop's), each panel is also checked for what would be cut off, before and
+after each move: the panel within the window's width, its figure no wider than the output area (JupyterLab would
+shrink it), no control label truncated, and controls with figure no taller than the notebook's visible height.
+Screenshots of the first panel before and after its first move, and of the page, go to --artifacts.
 tests/test_browser.py runs the same in CI (`bash scripts/test.sh`).
 
 Needs Chromium (Debian's `chromium`; google-chrome works too) and PyPI's `playwright`, which drives that browser
@@ -295,10 +297,13 @@ def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: fl
         state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
         check_fit(page, panel, state["panel"] or str(i + 1), result)
         controls = panel.locator(".widget-slider, .widget-hslider, .widget-dropdown")
+        opened = [value_of(controls.nth(j)) for j in range(controls.count())]
         for j in range(controls.count()):
             first_move = not result.moves
             if first_move:
                 panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))
+            if j:  # each control moves from where the panel opened: a setting may matter only in some states
+                state = put_back(page, panel, controls.nth(j - 1), opened[j - 1], state)
             moved, state_after, why = move(page, panel, controls.nth(j), state)
             where = f"panel {state['panel'] or i + 1}, control {moved or j + 1}"
             if why:
@@ -323,6 +328,30 @@ JS_MARK = "(p) => p.querySelectorAll('.anatomy-panel-digest').forEach(e => { e.d
 JS_RAN_AGAIN = f"""(p) => {{ const s = ({JS_PANEL_STATE})(p);
   return !!p.querySelector('.anatomy-panel-digest:not([data-seen])') && s.digest !== '' && s.image !== ''; }}"""
 TRIES = 3  # notches a control may move before the check calls it ignored: two choices can draw the same data
+
+
+def value_of(control) -> str:
+    """A dropdown's chosen value, or a slider's position (aria-valuenow)."""
+    if control.locator("select").count():
+        return control.locator("select").first.input_value()
+    return control.locator(".noUi-handle, .ui-slider-handle").first.get_attribute("aria-valuenow")
+
+
+def put_back(page, panel, control, value: str, state: dict, timeout_s: float = 90) -> dict:
+    """Set ``control`` back to ``value`` (where the panel opened) and wait for the panel's run; its state after."""
+    for _ in range(TRIES):
+        now = value_of(control)
+        if now == value:
+            return state
+        page.evaluate(JS_MARK, panel.element_handle())
+        if control.locator("select").count():
+            control.locator("select").first.select_option(value=value)
+        else:
+            control.locator(".noUi-handle, .ui-slider-handle").first.focus()
+            page.keyboard.press("ArrowLeft" if float(now) > float(value) else "ArrowRight")
+        page.wait_for_function(JS_RAN_AGAIN, arg=panel.element_handle(), timeout=timeout_s * 1000)
+        state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+    return state
 
 
 def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str, dict, str]:

@@ -210,3 +210,18 @@ def test_figure_digest_sees_the_data_not_the_text():
     same = figure([1, 2, 3], "batch 8")
     assert figure_digest(same) == figure_digest(figure([1, 2, 3], "batch 9"))  # an echo of the control: same data
     assert figure_digest(same) != figure_digest(figure([1, 2, 4], "batch 8"))  # a new measurement
+
+
+def test_figure_digest_counts_the_numbers_a_panel_computed():
+    """fit_panel's device line may be off the scale: the device's memory still changes the panel's digest."""
+    from anatomy_helpers.plots import CourseFigure
+    from anatomy_helpers.widgets import figure_digest
+
+    def figure(numbers):
+        fig = CourseFigure()
+        fig.add_subplot().bar([0, 1], [1, 2])
+        fig.panel_numbers = numbers
+        return fig
+
+    assert figure_digest(figure((15 * 2**30, True))) == figure_digest(figure((15 * 2**30, True)))
+    assert figure_digest(figure((15 * 2**30, True))) != figure_digest(figure((80 * 2**30, True)))
