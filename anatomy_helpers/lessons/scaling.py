@@ -270,7 +270,7 @@ def plot_rank_timelines(results: dict[str, list[RankResult]], strategies=None, *
     columns = min(ranks, RANK_COLUMNS)
     rows_each = -(-ranks // columns)
     # 4 in a panel and the legend below them: two panels fit a 1280 px window's notebook column (844 px) unshrunk
-    fig = CourseFigure(figsize=(4 * columns, 2.2 * rows_each * len(strategies) + 1.6), layout="constrained")
+    fig = CourseFigure(figsize=(4 * columns, 2.1 * rows_each * len(strategies) + 1.4), layout="constrained")
     axes = fig.subplots(rows_each * len(strategies), columns, squeeze=False)
     top = max(r.trace.timeline.total.max() for s in strategies for r in results[s])
     unit, scale = pick_unit(top)
