@@ -30,6 +30,7 @@ CATEGORY_COLORS = {
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
 PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+STEP_LINE = "#333"  # the dashed line where a training step starts
 OUTSIDE_MODULES = "(no module)"  # how plots name memory allocated while no module of the model ran (the batch, say)
 
 
@@ -64,10 +65,12 @@ def stack_categories(ax, xs, bytes_by_category: np.ndarray, scale: float) -> Non
     )
 
 
-def legend_of_all(axes, target) -> None:
-    """One category legend, on ``target`` (right of it), listing every category drawn in any of ``axes``, each once
-    and in CATEGORIES order; the panels' own legends are removed. A multi-panel figure that kept one panel's legend
-    would leave unexplained the colours that only other panels draw."""
+def legend_of_all(axes, target, extra=(), columns: int = 1) -> None:
+    """One category legend listing every category drawn in any of ``axes``, each once and in CATEGORIES order,
+    then ``extra`` ((handle, label) pairs: markers, shading); the panels' own legends are removed. ``target``: an
+    Axes (the legend goes right of it) or the Figure (below the panels, in ``columns`` columns: a figure that must
+    stay narrow). A multi-panel figure that kept one panel's legend would leave unexplained the colours that only
+    other panels draw."""
     entries = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -76,15 +79,25 @@ def legend_of_all(axes, target) -> None:
             ax.get_legend().remove()
     labels = [CATEGORY_LABELS[c] for c in CATEGORIES if CATEGORY_LABELS[c] in entries]
     labels += [label for label in entries if label not in labels]
-    target.legend(
-        [entries[label] for label in labels],
-        labels,
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=8,
-        title="category",
-        title_fontsize=8,
-    )
+    handles = [entries[label] for label in labels] + [h for h, _ in extra]
+    labels += [label for _, label in extra]
+    title = "category" if not extra else "what is drawn"
+    if isinstance(target, Figure):
+        target.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=8, title=title,
+                      title_fontsize=8)  # fmt: skip
+    else:
+        target.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title=title,
+                      title_fontsize=8)  # fmt: skip
+
+
+def phase_legend_entries() -> list[tuple]:
+    """(handle, label) for the phase shading and the step-start line of :func:`plot_timeline`, for a legend (where
+    the panels are too small for the phase names written on them)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    out = [(Patch(facecolor=PHASE_SHADES[p], edgecolor="#999"), f"shading: {p}") for p in PHASE_SHADES]
+    return out + [(Line2D([], [], color=STEP_LINE, linestyle="--", linewidth=0.8), "a training step starts")]
 
 
 def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None = None, annotate_peak: bool = True):
@@ -155,7 +168,7 @@ def _shade_phases(ax, trace: Trace, xs: np.ndarray, top: float) -> None:
     every = 1 if few else -(-len(step_starts) // MAX_LABELLED_STEPS)
     for k, (step, x0) in enumerate(step_starts.items()):
         if k % every == 0:
-            ax.axvline(x0, color="#333", linestyle="--", linewidth=0.8)
+            ax.axvline(x0, color=STEP_LINE, linestyle="--", linewidth=0.8)
             ax.text(x0, top * 0.90, f" step {step}", ha="left", va="top", fontsize=9)
 
 

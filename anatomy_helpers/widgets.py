@@ -25,6 +25,10 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     or a list of choices for a dropdown. Controls start at ``fn``'s defaults, so the
     panel opens where the plain call left off; parameters without a control keep
     their defaults. Returns the widget (display it as the cell's value).
+
+    Each control's label is as wide as its text (ipywidgets' default 80 px cuts "micro batches" to "micro bat…"),
+    and the controls wrap in rows above the output, so a panel of ten controls stays short enough to show with its
+    figure in a 900 px high window.
     """
     params = inspect.signature(fn).parameters
     built = {}
@@ -34,6 +38,8 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
         default = params[name].default
         label = name.replace("_", " ")
         if isinstance(spec, w.Widget):
+            if getattr(getattr(spec, "style", None), "description_width", None) == "":  # not chosen by the caller
+                spec.style.description_width = LABEL_STYLE["description_width"]
             built[name] = spec
         elif isinstance(spec, tuple) and len(spec) == 3:
             lo, hi, step = spec
@@ -44,12 +50,14 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
                 )
             value = default if isinstance(default, int) and lo <= default <= hi else lo
             built[name] = w.IntSlider(
-                value=value, min=lo, max=hi, step=step, description=label, continuous_update=False
+                value=value, min=lo, max=hi, step=step, description=label, continuous_update=False, style=LABEL_STYLE
             )
         elif isinstance(spec, list):
             if not spec:
                 raise ValueError(f"control {name!r}: a dropdown needs at least one choice, got an empty list")
-            built[name] = w.Dropdown(options=spec, value=default if default in spec else spec[0], description=label)
+            built[name] = w.Dropdown(
+                options=spec, value=default if default in spec else spec[0], description=label, style=LABEL_STYLE
+            )
         else:
             raise ValueError(f"control {name!r}: expected a widget, a (min, max, step) tuple or a list, got {spec!r}")
     for name, p in params.items():
@@ -65,7 +73,15 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     measured.__signature__ = inspect.signature(fn)
     # auto_display: show fn's return value (a Figure) under the controls, as `interact` does;
     # a bare `interactive` would only show what fn prints.
-    return w.interactive(measured, {"auto_display": True}, **built)
+    panel = w.interactive(measured, {"auto_display": True}, **built)
+    # controls side by side, wrapping at the notebook's width; the output on a row of its own below them
+    panel.layout = w.Layout(flex_flow="row wrap", align_items="center")
+    panel.out.layout.width = "100%"
+    return panel
+
+
+#: Widget labels as wide as their text (ipywidgets' own default is a fixed 80 px that truncates longer names).
+LABEL_STYLE = {"description_width": "initial"}
 
 
 #: The CSS class of the hidden element a panel writes after each run (scripts/browser_check.py reads it).
@@ -76,7 +92,9 @@ def figure_digest(figure) -> str:
     """A hash of what a figure draws: the data of its lines, bars, areas and images, not its text.
 
     A panel that re-measures draws other data when a control moves; one that ignores the control but echoes its
-    value in a title or a printout keeps the same digest (the browser test tells them apart by it).
+    value in a title or a printout keeps the same digest (the browser test tells them apart by it). Numbers a panel
+    computed that its figure need not draw (a device's memory, off the scale of a small model's bars) count too:
+    the figure's ``panel_numbers`` attribute (a sequence of numbers), where the panel sets one.
     """
     import hashlib
 
@@ -87,6 +105,7 @@ def figure_digest(figure) -> str:
     from matplotlib.patches import Patch
 
     h = hashlib.sha256()
+    h.update(np.asarray(getattr(figure, "panel_numbers", ()), dtype=float).tobytes())
     for ax in getattr(figure, "axes", []):
         for artist in ax.get_children():
             if isinstance(artist, Line2D):

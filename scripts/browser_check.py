@@ -3,11 +3,16 @@
     python scripts/browser_check.py [NN ...] [--artifacts DIR]      # default: every learner notebook with a panel
 
 For each learner notebook with a slider panel: open it in JupyterLab, run all cells, check that no cell shows an
-error, then move every control of every panel once (a slider one notch, a dropdown to its next choice) and check
-that the panel measured again: after each run a panel writes a hidden digest of the data its figure draws
-(widgets.figure_digest: lines, bars, areas, not text), and the digest must change. A panel that echoes the value in
-its title or printout but draws the same data fails, naming the panel and the control. Screenshots of the first
-panel before and after its first move, and of the page, go to --artifacts.
+error, then move every control of every panel from where the panel opened (a slider one notch, a dropdown to its
+next choice; each control is put back before the next one moves) and check that the panel measured again: after
+each run a panel writes a hidden digest of the data its figure draws and the numbers it computed
+(widgets.figure_digest: lines, bars, areas, not text), and the digest must change. Two settings may legitimately
+draw the same (Adam and AdamW hold the same memory), so a control moves on up to TRIES notches before it counts as
+ignored. A panel that echoes the value in its title or printout but draws the same data fails, naming the panel and
+the control. In a 1280 x 900 window (a laptop's), each panel is also checked for what would be cut off, before and
+after each move: the panel within the window's width, its figure no wider than the output area (JupyterLab would
+shrink it), no control label truncated, and controls with figure no taller than the notebook's visible height.
+Screenshots of the first panel before and after its first move, and of the page, go to --artifacts.
 tests/test_browser.py runs the same in CI (`bash scripts/test.sh`).
 
 Needs Chromium (Debian's `chromium`; google-chrome works too) and PyPI's `playwright`, which drives that browser
@@ -38,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LEARNER = ROOT / "learner"
 BROWSERS = ["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"]
 NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+VIEWPORT = {"width": 1280, "height": 900}  # a laptop's browser window: nothing of a panel may be cut off in it
 
 
 def find_chromium() -> str | None:
@@ -168,6 +174,8 @@ class NotebookResult:
     stderr: list[str] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)  # "panel P, control C (label a -> b)", each that re-measured
     failures: list[str] = field(default_factory=list)  # each control whose move did not change the measurement
+    cut_off: list[str] = field(default_factory=list)  # "panel P: what does not fit the window", each once
+    sizes: list[str] = field(default_factory=list)  # each panel's measured layout (px), for the log
     text_before: str = ""
     text_after: str = ""
     image_changed: bool = False
@@ -176,7 +184,11 @@ class NotebookResult:
 
     @property
     def ok(self) -> bool:
-        return not (self.errors or self.problem or self.failures) and bool(self.moves) and self.image_changed
+        return (
+            not (self.errors or self.problem or self.failures or self.cut_off)
+            and bool(self.moves)
+            and self.image_changed
+        )
 
 
 # JavaScript run in the page, against JupyterLab's exposed application object.
@@ -208,6 +220,52 @@ JS_PANEL_STATE = """(panel) => {
           digest: mark ? mark.dataset.digest : '', panel: mark ? mark.dataset.panel : ''};
 }"""
 
+JS_FIT = """(panel) => {
+  const vw = window.innerWidth, px = (v) => Math.round(v);
+  const found = [];
+  const box = panel.getBoundingClientRect();
+  if (box.left < -0.5 || box.right > vw + 0.5)
+    found.push(`the panel spans x ${px(box.left)}..${px(box.right)} px, past the ${vw} px window`);
+  const out = panel.querySelector('.widget-output');
+  const room = out ? out.clientWidth : 0;
+  let figure = '';
+  for (const img of panel.querySelectorAll('.widget-output img')) {
+    figure = `${img.naturalWidth}x${img.naturalHeight}`;
+    if (img.naturalWidth > room)
+      found.push(`the figure is ${img.naturalWidth} px wide in a ${room} px output area (shown shrunk)`);
+  }
+  for (const c of panel.querySelectorAll('.widget-slider, .widget-hslider, .widget-dropdown')) {
+    const r = c.getBoundingClientRect();
+    const label = c.querySelector('.widget-label');
+    const name = label ? label.textContent.trim() : '?';
+    if (r.right > vw + 0.5) found.push(`control "${name}" ends at x ${px(r.right)} px, past the ${vw} px window`);
+    for (const t of c.querySelectorAll('.widget-label, .widget-readout'))
+      if (t.scrollWidth > t.clientWidth + 1)
+        found.push(`the text "${t.textContent.trim()}" of control "${name}" is cut ` +
+                   `(${t.scrollWidth} px in ${t.clientWidth} px)`);
+  }
+  // what a learner sees at once: the notebook's scrolling area
+  const scroller = panel.closest('.jp-WindowedPanel-outer') || panel.closest('.jp-Notebook');
+  const visible = scroller ? scroller.clientHeight : window.innerHeight;
+  const controls = [...panel.children].filter(c => !c.classList.contains('widget-output'));
+  const top = Math.min(...controls.map(c => c.getBoundingClientRect().top), box.bottom);
+  const img = out && out.querySelector('img');
+  const bottom = img ? img.getBoundingClientRect().bottom : box.bottom;
+  if (bottom - top > visible + 0.5)
+    found.push(`controls to figure's bottom are ${px(bottom - top)} px high; the notebook shows ${visible} px`);
+  return {found, sizes: `panel ${px(box.width)}x${px(box.height)}, figure ${figure || 'none'} in ${room} px, ` +
+                        `controls to figure ${px(bottom - top)} of ${visible} px visible`};
+}"""
+
+
+def check_fit(page, panel, name: str, result: NotebookResult) -> None:
+    """Record what of ``panel`` does not fit the window (each problem once) and its measured layout."""
+    fit = page.evaluate(JS_FIT, panel.element_handle())
+    for what in fit["found"]:
+        if f"panel {name}: {what}" not in result.cut_off:
+            result.cut_off.append(f"panel {name}: {what}")
+    result.sizes.append(f"{name}: {fit['sizes']}")
+
 
 def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: float = 180) -> NotebookResult:
     """Open ``name``, run all cells, check outputs, then move every control of every panel once."""
@@ -237,17 +295,22 @@ def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: fl
             result.problem = f"panel {i + 1} never showed its measurement (no plot drawn within 120 s)"
             return result
         state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+        check_fit(page, panel, state["panel"] or str(i + 1), result)
         controls = panel.locator(".widget-slider, .widget-hslider, .widget-dropdown")
+        opened = [value_of(controls.nth(j)) for j in range(controls.count())]
         for j in range(controls.count()):
             first_move = not result.moves
             if first_move:
                 panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))
+            if j:  # each control moves from where the panel opened: a setting may matter only in some states
+                state = put_back(page, panel, controls.nth(j - 1), opened[j - 1], state)
             moved, state_after, why = move(page, panel, controls.nth(j), state)
             where = f"panel {state['panel'] or i + 1}, control {moved or j + 1}"
             if why:
                 result.failures.append(f"{where}: {why}")
                 continue
             result.moves.append(where + f" ({moved})")
+            check_fit(page, panel, state_after["panel"] or str(i + 1), result)
             if first_move:
                 page.wait_for_timeout(500)  # let the figure finish replacing
                 panel.screenshot(path=str(shots / f"{Path(name).stem}_after.png"))
@@ -261,38 +324,78 @@ def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: fl
     return result
 
 
-def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str, dict, str]:
-    """Move ``control`` one notch (a slider up, or down at its top; a dropdown to its next choice) and wait until
-    the panel has measured again: its digest of what it draws changes. Returns (what moved, the panel's state
-    after, "" or why it failed)."""
-    label = control.locator(".widget-label").first.inner_text().strip()
+JS_MARK = "(p) => p.querySelectorAll('.anatomy-panel-digest').forEach(e => { e.dataset.seen = '1'; })"
+JS_RAN_AGAIN = f"""(p) => {{ const s = ({JS_PANEL_STATE})(p);
+  return !!p.querySelector('.anatomy-panel-digest:not([data-seen])') && s.digest !== '' && s.image !== ''; }}"""
+TRIES = 3  # notches a control may move before the check calls it ignored: two choices can draw the same data
+
+
+def value_of(control) -> str:
+    """A dropdown's chosen value, or a slider's position (aria-valuenow)."""
     if control.locator("select").count():
-        select = control.locator("select").first
-        value = select.input_value()
+        return control.locator("select").first.input_value()
+    return control.locator(".noUi-handle, .ui-slider-handle").first.get_attribute("aria-valuenow")
+
+
+def put_back(page, panel, control, value: str, state: dict, timeout_s: float = 90) -> dict:
+    """Set ``control`` back to ``value`` (where the panel opened) and wait for the panel's run; its state after."""
+    for _ in range(TRIES):
+        now = value_of(control)
+        if now == value:
+            return state
+        page.evaluate(JS_MARK, panel.element_handle())
+        if control.locator("select").count():
+            control.locator("select").first.select_option(value=value)
+        else:
+            control.locator(".noUi-handle, .ui-slider-handle").first.focus()
+            page.keyboard.press("ArrowLeft" if float(now) > float(value) else "ArrowRight")
+        page.wait_for_function(JS_RAN_AGAIN, arg=panel.element_handle(), timeout=timeout_s * 1000)
+        state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+    return state
+
+
+def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str, dict, str]:
+    """Move ``control`` one notch (a slider up, or down at its top; a dropdown to its next choice), wait until the
+    panel has run again (a fresh digest element with its figure), and check that what it draws changed. Two
+    settings can legitimately draw the same (Adam and AdamW hold the same memory): then the control moves on, up to
+    :data:`TRIES` notches, before it counts as ignored. Returns (what moved, the panel's state after, "" or why it
+    failed)."""
+    label = control.locator(".widget-label").first.inner_text().strip()
+    select = control.locator("select").first if control.locator("select").count() else None
+    if select is not None:
         options = select.locator("option").all_inner_texts()
         if len(options) < 2:
             return label, before, ""  # nothing to choose
-        select.select_option(index=(options.index(value) + 1) % len(options) if value in options else 1)
-        now = select.input_value()
-    else:  # a slider: one step with the keyboard, committed at once (continuous_update=False)
+        values, tries = [select.input_value()], min(TRIES, len(options) - 1)
+    else:  # a slider: steps with the keyboard, committed at once (continuous_update=False)
         handle = control.locator(".noUi-handle, .ui-slider-handle").first
         readout = control.locator(".widget-readout").first
-        value = readout.inner_text().strip()
+        values, tries = [readout.inner_text().strip()], TRIES
         at_top = handle.get_attribute("aria-valuenow") == handle.get_attribute("aria-valuemax")
-        handle.focus()
-        page.keyboard.press("ArrowLeft" if at_top else "ArrowRight")
-        page.wait_for_timeout(200)
-        now = readout.inner_text().strip()
-    what = f"{label} {value} -> {now}"
-    try:
-        page.wait_for_function(
-            f"([p, b]) => {{ const s = ({JS_PANEL_STATE})(p);"
-            " return s.digest !== '' && s.digest !== b.digest && s.image !== ''; }",
-            arg=[panel.element_handle(), before], timeout=timeout_s * 1000,
-        )  # fmt: skip
-    except Exception:
-        return what, before, f"moving {what} did not change what the panel draws within {timeout_s:.0f} s"
-    return what, page.evaluate(JS_PANEL_STATE, panel.element_handle()), ""
+        key = "ArrowLeft" if at_top else "ArrowRight"
+    state = before
+    for _ in range(tries):
+        page.evaluate(JS_MARK, panel.element_handle())
+        if select is not None:
+            now = select.input_value()
+            select.select_option(index=(options.index(now) + 1) % len(options) if now in options else 1)
+            values.append(select.input_value())
+        else:
+            handle.focus()
+            page.keyboard.press(key)
+            page.wait_for_timeout(200)
+            values.append(readout.inner_text().strip())
+        what = f"{label} {' -> '.join(values)}"
+        if values[-1] == values[-2]:
+            break  # a slider at its end
+        try:
+            page.wait_for_function(JS_RAN_AGAIN, arg=panel.element_handle(), timeout=timeout_s * 1000)
+        except Exception:
+            return what, before, f"moving {what}: the panel did not run again (no new figure) within {timeout_s:.0f} s"
+        state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+        if state["digest"] != before["digest"]:
+            return what, state, ""
+    return what, state, f"moving {what} did not change what the panel draws (the same data each time)"
 
 
 def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[NotebookResult]:
@@ -313,7 +416,7 @@ def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[
                 "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
                 "--disable-component-update"])  # fmt: skip
             for nb in notebooks:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page = browser.new_page(viewport=VIEWPORT)
                 try:
                     result = drive(page, base, token, nb.name, shots)
                 except Exception as e:  # report, don't hide: which step failed is in the message
@@ -325,6 +428,9 @@ def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[
                 log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({result.seconds:.0f} s): {len(result.moves)} "
                     f"controls re-measured; plot changed: {result.image_changed}"
                     + (f"; FAILED: {result.failures}" if result.failures else "")
+                    + (f"; CUT OFF in {VIEWPORT['width']}x{VIEWPORT['height']}: {result.cut_off}" if result.cut_off
+                       else f"; nothing cut off in {VIEWPORT['width']}x{VIEWPORT['height']}")
+                    + "".join(f"\n    {s}" for s in dict.fromkeys(result.sizes))
                     + (f"; errors: {result.errors}" if result.errors else "")
                     + (f"; {result.problem}" if result.problem else ""))  # fmt: skip
                 results.append(result)

@@ -1,6 +1,6 @@
 """The widgets in a real browser: every learner notebook with a slider panel runs in JupyterLab in headless Chromium,
-shows no error, and re-measures when each control of each panel moves (the data its figure draws changes, not only
-an echo of the control's value).
+shows no error, re-measures when each control of each panel moves (the data its figure draws changes, not only
+an echo of the control's value), and fits a 1280 x 900 window (nothing of a panel cut off or shrunk).
 
 The work is scripts/browser_check.py's. Debian's chromium (apt-get) and PyPI's playwright are installed when missing;
 where neither can be had the test is skipped with the reason printed, never passed. Screenshots of each panel before
@@ -44,5 +44,6 @@ def test_panels_rerun_in_jupyterlab_in_chromium(capsys):
         assert r.errors == [], (r.name, r.errors)
         assert r.problem == "", (r.name, r.problem)
         assert r.failures == [], (r.name, r.failures)
+        assert r.cut_off == [], (r.name, r.cut_off)  # each names the panel and what does not fit 1280 x 900
         assert r.moves, (r.name, "no control moved")
         assert r.image_changed, (r.name, "the plot did not change")

@@ -17,6 +17,7 @@ from anatomy_helpers.world import format_rank_table, rank_rows, run_world, zero_
 from .conftest import SMALL
 
 WORLD = 2
+NOTEBOOK_COLUMN_PX = 820  # a notebook output in JupyterLab in a 1280 px window: 844 px (scripts/browser_check.py)
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +173,49 @@ def test_zero2_communication_peak_is_the_unsharded_model_and_two_flat_buffers(wo
         assert alive[:2] == [block, block] and sum(alive) == padded + 2 * block
         gathers = [c for c in r.collectives if "allgather" in c.op]
         assert last == gathers[model.cfg.n_layer] and last.phase == "forward"  # the last block's, in forward
+
+
+def test_rank_timelines_legend_names_every_category_marker_and_shading(world):
+    from matplotlib.lines import Line2D
+
+    from anatomy_helpers.lessons.scaling import plot_rank_timelines
+    from anatomy_helpers.plots import CATEGORY_LABELS
+    from anatomy_helpers.trace import CATEGORIES
+
+    fig = plot_rank_timelines(world)
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + fig.legends
+    assert len(legends) == 1  # one legend for the ten panels
+    listed = [t.get_text() for t in legends[0].get_texts()]
+    drawn = {  # every category some rank of some strategy holds at some moment, from the traces themselves
+        CATEGORY_LABELS[c]
+        for ranks in world.values()
+        for r in ranks
+        for c in CATEGORIES
+        if r.trace.timeline.category(c).any()
+    }
+    assert drawn <= set(listed) and "communication" in drawn
+    ops = " ".join(c.op for ranks in world.values() for r in ranks for c in r.collectives)
+    known = {"allgather": "all-gather", "allreduce": "all-reduce", "reduce_scatter": "reduce-scatter"}
+    names = {n for key, n in {**known, "broadcast": "broadcast"}.items() if key in ops}
+    assert names == {"all-gather", "all-reduce", "reduce-scatter", "broadcast"}
+    assert all(any(n in label and label.endswith("issued") for label in listed) for n in names), listed
+    for phase in ("forward", "backward", "optimizer"):
+        assert f"shading: {phase}" in listed
+    assert "a training step starts" in listed
+    # every marker drawn on a panel has an entry with the same symbol and fill
+    symbols = {(h.get_marker(), h.get_fillstyle()) for h in legends[0].legend_handles if isinstance(h, Line2D)}
+    for ax in fig.axes:
+        for line in ax.lines:
+            if line.get_marker() not in ("None", None, ""):
+                assert (line.get_marker(), line.get_fillstyle()) in symbols
+
+
+def test_rank_timelines_wrap_four_ranks_into_two_rows(world):
+    from anatomy_helpers.lessons.scaling import plot_rank_timelines
+
+    four = {"ddp": world["ddp"] * 2}  # four panels (ranks 0, 1, 0, 1): the layout is what is tested
+    fig = plot_rank_timelines(four)
+    grid = {(ax.get_subplotspec().rowspan.start, ax.get_subplotspec().colspan.start) for ax in fig.axes}
+    assert grid == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert fig.get_size_inches()[0] == pytest.approx(plot_rank_timelines(world).get_size_inches()[0])
+    assert fig.get_size_inches()[0] * 100 <= NOTEBOOK_COLUMN_PX  # unshrunk in a 1280 px window

@@ -77,6 +77,25 @@ def test_slider_panel_shows_the_returned_figure():
         slider_panel(fn, b=[])
 
 
+def test_slider_panel_labels_are_as_wide_as_their_text_and_controls_wrap():
+    import ipywidgets as w
+
+    from anatomy_helpers.widgets import slider_panel
+
+    def fn(micro_batches: int = 1, implementation: str = "x", n: int = 2):
+        return None
+
+    given = w.IntSlider(value=2, min=1, max=3, description="n")
+    panel = slider_panel(fn, micro_batches=(1, 4, 1), implementation=["x", "y"], n=given)
+    controls = panel.children[:-1]
+    assert [c.description for c in controls] == ["micro batches", "implementation", "n"]
+    # "initial": the label takes its text's width; ipywidgets' default ("") is a fixed 80 px: "micro bat…"
+    assert all(c.style.description_width == "initial" for c in controls)
+    assert panel.layout.flex_flow == "row wrap" and panel.out.layout.width == "100%"
+    own = w.Dropdown(options=["x", "y"], description="implementation", style={"description_width": "120px"})
+    assert slider_panel(fn, implementation=own).children[0].style.description_width == "120px"  # the caller's
+
+
 def test_timelines_share_one_y_scale(trace):
     from anatomy_helpers import plot_timelines
 
@@ -191,3 +210,18 @@ def test_figure_digest_sees_the_data_not_the_text():
     same = figure([1, 2, 3], "batch 8")
     assert figure_digest(same) == figure_digest(figure([1, 2, 3], "batch 9"))  # an echo of the control: same data
     assert figure_digest(same) != figure_digest(figure([1, 2, 4], "batch 8"))  # a new measurement
+
+
+def test_figure_digest_counts_the_numbers_a_panel_computed():
+    """fit_panel's device line may be off the scale: the device's memory still changes the panel's digest."""
+    from anatomy_helpers.plots import CourseFigure
+    from anatomy_helpers.widgets import figure_digest
+
+    def figure(numbers):
+        fig = CourseFigure()
+        fig.add_subplot().bar([0, 1], [1, 2])
+        fig.panel_numbers = numbers
+        return fig
+
+    assert figure_digest(figure((15 * 2**30, True))) == figure_digest(figure((15 * 2**30, True)))
+    assert figure_digest(figure((15 * 2**30, True))) != figure_digest(figure((80 * 2**30, True)))

@@ -15,7 +15,7 @@ from anatomy_helpers.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, g
 from anatomy_helpers.dryrun import build_fake_model, course_batch, dry_run_config, gpt_loss
 from anatomy_helpers.fit import will_it_fit
 from anatomy_helpers.fixes import EFFECTS, cheapest_fix, fixes_table, step_flops
-from anatomy_helpers.lessons.prediction import fit_panel, plot_fit
+from anatomy_helpers.lessons.prediction import DEVICE_LINE_RANGE, fit_panel, plot_fit
 from anatomy_helpers.model import GPT, ModelConfig
 from anatomy_helpers.tracker import StepTracker
 
@@ -216,6 +216,41 @@ def test_plot_and_panel(capsys):
     assert isinstance(fig, Figure) and "MiB" in ax.get_ylabel() and ax.get_title()
     assert isinstance(fit_panel(batch_size=1), Figure)
     assert "usable on T4" in capsys.readouterr().out
+
+
+def _horizontal_lines(ax) -> list[float]:
+    return [line.get_ydata()[0] for line in ax.lines if len(set(line.get_ydata())) == 1]
+
+
+def test_fit_plot_scales_to_the_bars_and_names_the_device_lines():
+    """The y-axis holds the tallest bar and fills at least 1/DEVICE_LINE_RANGE of it; the usable line (and the
+    capacity's) is drawn when within that range, named in the legend (outside the axes, clear of the bars), and
+    named as off the scale when not."""
+    report = will_it_fit(ModelConfig(**SMALL), 2, device="t4")
+    tallest = max(max(p.reserved, p.tensors) for p in report.phases)
+    for usable, in_range in ((tallest * 2, True), (tallest // 2, True), (tallest * 50, False)):
+        r = dataclasses.replace(report, usable=usable, capacity=usable + 2**20)
+        fig = plot_fit(r)
+        ax = fig.axes[0]
+        scale = 2**30 if "GiB" in ax.get_ylabel() else 2**20
+        tops = [p.get_y() + p.get_height() for p in ax.patches]
+        assert max(tops) == pytest.approx(tallest / scale)  # the bars stack to the tallest phase's reserved bytes
+        bottom, top = ax.get_ylim()
+        assert bottom == 0 and tallest / scale <= top <= DEVICE_LINE_RANGE * 1.1 * tallest / scale
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        usable_entry = [t for t in legend if t.startswith("usable on T4")]
+        assert len(usable_entry) == 1, legend
+        lines = _horizontal_lines(ax)
+        if in_range:
+            assert any(y == pytest.approx(usable / scale) for y in lines) and usable / scale <= top
+            assert "off the scale" not in usable_entry[0]
+        else:
+            assert not any(y == pytest.approx(usable / scale) for y in lines) and top < usable / scale
+            assert "off the scale (50x the tallest bar)" in usable_entry[0]
+        assert not [t for t in ax.texts if "usable" in t.get_text()]  # named in the legend, not on a bar
+        fig.draw_without_rendering()
+        assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1  # right of the bars
+        assert fig.get_size_inches()[0] * 100 <= 820  # a 1280 px window's notebook output is 844 px wide
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

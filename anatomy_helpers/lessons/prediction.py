@@ -7,6 +7,7 @@ Bytes everywhere unless a name says otherwise.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ from ..tables import Col, format_table
 from ..trace import CATEGORIES, Trace
 from ..tracker import StepTracker
 from ..train import make_model, make_optimizer, track_steps
-from ..units import MiB, pick_unit
+from ..units import MiB, format_bytes, pick_unit
 
 #: Model shapes for the panel (ModelConfig fields); ``block`` is chosen separately. The vocabulary is GPT-2's
 #: (50,304, padded) for every shape but the toy, whose is the course text's.
@@ -184,11 +185,25 @@ def textbook_table(rows: list[TextbookRow]) -> str:
     return format_table(cols, data, note=f"({unit})")
 
 
+#: The device's lines are drawn when they lie within this many times the tallest bar; further up they would squeeze
+#: the bars flat (a toy model's 0.1 GiB under a T4's 14.5 GiB), so the legend gives the value and says it is off the
+#: scale instead.
+DEVICE_LINE_RANGE = 3.0
+
+
 def plot_fit(report: FitReport, title: str | None = None):
     """Stacked bars (tensor bytes by category at each phase's peak) for step 1 and step 2, the allocator's
-    overhead on top (hatched), and the device's usable memory as a line."""
-    unit, scale = pick_unit(max(report.usable, report.peak.reserved))
-    fig = CourseFigure(figsize=(9, 4.2), layout="constrained")
+    overhead on top (hatched), and the device's usable memory and capacity as lines when they are within
+    :data:`DEVICE_LINE_RANGE` times the tallest bar (else the legend names them as off the scale). The y-axis
+    scales to what is drawn; the lines are named in the legend, clear of the bars."""
+    tallest = max(max(p.reserved, p.tensors) for p in report.phases)
+    lines = [  # (bytes, what, line style)
+        (report.usable, f"usable on {report.device}", "--"),
+        (report.capacity, f"capacity of {report.device}", ":"),
+    ]
+    drawn = [line for line in lines if line[0] <= DEVICE_LINE_RANGE * tallest]
+    unit, scale = pick_unit(max([tallest] + [b for b, _, _ in drawn]))
+    fig = CourseFigure(figsize=(8, 3.3), layout="constrained")  # fits a 1280 px window's notebook column (844 px)
     ax = fig.add_subplot()
     xs = np.arange(len(report.phases))
     shown = [c for c in CATEGORIES if any(p.breakdown.get(c, 0) for p in report.phases)]
@@ -208,9 +223,15 @@ def plot_fit(report: FitReport, title: str | None = None):
         width=0.7,
         label="reserved, not allocated (simulated, uncapped)",
     )
-    ax.axhline(report.usable / scale, color="black", linestyle="--", linewidth=1.2)
-    ax.axhline(report.capacity / scale, color="black", linestyle=":", linewidth=1)
-    ax.text(len(xs) - 0.5, report.usable / scale, f"usable on {report.device}", ha="right", va="bottom", fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    for nbytes, what, style in lines:
+        if (nbytes, what, style) in drawn:
+            handles.append(ax.axhline(nbytes / scale, color="black", linestyle=style, linewidth=1.2))
+            labels.append(f"{what}: {format_bytes(nbytes)}")
+        else:  # an empty handle: the legend says where the line would be
+            handles.append(Patch(facecolor="none", edgecolor="none"))
+            labels.append(f"{what}: {format_bytes(nbytes)},\n  off the scale ({nbytes / tallest:.0f}x the tallest bar)")
+    ax.set_ylim(0, max([tallest] + [b for b, _, _ in drawn]) / scale * 1.1)
     fail = report.first_failure
     if fail is not None and fail in report.phases:
         i = report.phases.index(fail)
@@ -225,11 +246,9 @@ def plot_fit(report: FitReport, title: str | None = None):
     ax.set_xticks(xs, [f"step {p.step}\n{p.phase}" for p in report.phases])
     ax.set_xlabel("phase of the training step")
     ax.set_ylabel(f"peak memory ({unit})")
-    handles, labels = ax.get_legend_handles_labels()
-    handles.append(Patch(facecolor="none", edgecolor="none"))
-    labels.append("--- usable, ··· capacity")
     ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title(title or f"Will it fit? {report.label} on {report.device}", fontsize=9)
+    # wrapped: a long configuration's title would widen the figure past its notebook column
+    ax.set_title(textwrap.fill(title or f"Will it fit? {report.label} on {report.device}", 90), fontsize=9)
     return fig
 
 
@@ -263,4 +282,8 @@ def fit_panel(
         device=device,
     )
     print(report.table())
-    return plot_fit(report)
+    fig = plot_fit(report)
+    # what the verdict rests on, for the panel's digest (widgets.figure_digest): the device's memory changes the
+    # verdict even where its line is off the scale of the bars
+    fig.panel_numbers = (report.capacity, report.usable, report.fits)
+    return fig

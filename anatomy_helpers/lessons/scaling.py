@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..distributed import STRATEGIES, Collective, RankJob, RankResult
-from ..plots import CourseFigure, plot_timeline
+from ..plots import CourseFigure, legend_of_all, phase_legend_entries, plot_timeline
 from ..tables import Col, format_table
 from ..trace import Trace
 from ..tracker import StepTracker
@@ -238,37 +238,78 @@ def measure_world(
     return run_world(jobs, world_size, backend=backend, timeout_s=300)
 
 
+#: How each collective is marked on a rank's timeline: (marker, filled), by the kind of op.
+COLLECTIVE_MARKERS = {"all-gather": ("v", True), "broadcast": ("x", True), "reduce": ("o", False)}
+
+
+def collective_kind(op: str) -> str:
+    """The marker kind of a c10d op ("_allgather_base_" -> "all-gather"; all-reduce and reduce-scatter: "reduce")."""
+    return "all-gather" if "allgather" in op else "broadcast" if "broadcast" in op else "reduce"
+
+
+def collective_name(op: str) -> str:
+    """A c10d op by its usual name: "allreduce_" -> "all-reduce", "_reduce_scatter_base_" -> "reduce-scatter"."""
+    for key, name in (("allgather", "all-gather"), ("reduce_scatter", "reduce-scatter"), ("allreduce", "all-reduce")):
+        if key in op:
+            return name
+    return op.strip("_").replace("_", "-")
+
+
+#: Rank panels per row: with more ranks, a strategy's ranks wrap onto further rows (4 ranks: 2 x 2).
+RANK_COLUMNS = 2
+
+
 def plot_rank_timelines(results: dict[str, list[RankResult]], strategies=None, *, x: str = "event", title=None):
-    """One timeline per (strategy, rank): strategies down, ranks across, one y scale; collectives as ticks on top
-    (filled: all-gather, hollow: reduce-scatter or all-reduce, x: broadcast). Returns the Figure."""
+    """One timeline per (strategy, rank): strategies down, ranks across (wrapping after :data:`RANK_COLUMNS`), one
+    y scale; collectives as ticks on top (filled triangle: all-gather, hollow circle: reduce-scatter or all-reduce,
+    cross: broadcast). One legend names every category, marker and phase shading drawn. Returns the Figure."""
+    from matplotlib.lines import Line2D
+
     strategies = list(strategies or results)
     ranks = len(results[strategies[0]])
-    fig = CourseFigure(figsize=(5.2 * ranks, 2.6 * len(strategies) + 0.5), layout="constrained")
-    axes = fig.subplots(len(strategies), ranks, squeeze=False)
+    columns = min(ranks, RANK_COLUMNS)
+    rows_each = -(-ranks // columns)
+    # 4 in a panel and the legend below them: two panels fit a 1280 px window's notebook column (844 px) unshrunk
+    fig = CourseFigure(figsize=(4 * columns, 2.1 * rows_each * len(strategies) + 1.4), layout="constrained")
+    axes = fig.subplots(rows_each * len(strategies), columns, squeeze=False)
     top = max(r.trace.timeline.total.max() for s in strategies for r in results[s])
     unit, scale = pick_unit(top)
+    marked: dict[str, set[str]] = {}  # marker kind -> the ops it marked
     for i, s in enumerate(strategies):
         for j, r in enumerate(results[s]):
-            ax = axes[i, j]
+            ax = axes[i * rows_each + j // columns, j % columns]
             plot_timeline(r.trace, ax=ax, x=x, title=f"{s}, rank {r.rank}", annotate_peak=False)
             ax.set_ylim(0, top / scale * 1.25)
             for text in list(ax.texts):
-                text.remove()  # phase and step labels would crowd the small panels
+                text.remove()  # phase and step labels would crowd the small panels: the legend names the shading
             xs = np.arange(len(r.trace.timeline)) if x == "event" else r.trace.timeline.time_s * 1e3
             for c in r.collectives:
                 xi = xs[min(max(c.index, 0), len(xs) - 1)]
-                marker = "v" if "allgather" in c.op else "x" if "broadcast" in c.op else "o"
+                kind = collective_kind(c.op)
+                marker, filled = COLLECTIVE_MARKERS[kind]
+                marked.setdefault(kind, set()).add(collective_name(c.op))
                 ax.plot(
                     [xi],
                     [top / scale * 1.18],
                     marker=marker,
                     color="black",
                     markersize=4,
-                    fillstyle="none" if marker == "o" else "full",
+                    fillstyle="full" if filled else "none",
+                    linestyle="none",
                 )
             ax.set_xlabel("memory event" if x == "event" else "time (ms)", fontsize=8)
-            if (i, j) != (0, ranks - 1):
-                ax.get_legend().remove()
+    for ax in axes.flat[sum(len(results[s]) for s in strategies) :]:
+        ax.set_visible(False)  # a world that does not fill its last row
+    markers = [
+        (
+            Line2D([], [], marker=COLLECTIVE_MARKERS[k][0], color="black", markersize=4, linestyle="none",
+                   fillstyle="full" if COLLECTIVE_MARKERS[k][1] else "none"),
+            f"{' / '.join(sorted(marked[k]))} issued",
+        )
+        for k in COLLECTIVE_MARKERS
+        if k in marked
+    ]  # fmt: skip
+    legend_of_all(axes.flat, fig, extra=markers + phase_legend_entries(), columns=4)
     fig.suptitle(title or "Per-rank memory: same model, same global batch")
     return fig
 
