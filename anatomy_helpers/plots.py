@@ -31,6 +31,9 @@ CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
 PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 STEP_LINE = "#333"  # the dashed line where a training step starts
+#: The widest figure, in inches at 100 dpi: JupyterLab's notebook column in a 1280 x 900 window is about 844 px
+#: (scripts/browser_check.py checks that every panel's figure fits), so a wider figure would be shown shrunk.
+FIGURE_WIDTH_IN = 8.0
 OUTSIDE_MODULES = "(no module)"  # how plots name memory allocated while no module of the model ran (the batch, say)
 
 
@@ -109,7 +112,7 @@ def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None 
     if x not in ("event", "time"):
         raise ValueError(f"x must be 'event' or 'time', got {x!r}")
     tl = trace.timeline
-    fig, ax = _new_axes(ax, (10, 4.5))
+    fig, ax = _new_axes(ax, (FIGURE_WIDTH_IN, 4.2))
     if len(tl) == 0:
         raise ValueError("the trace has no samples: was anything run inside the tracker?")
     unit, scale = pick_unit(tl.total.max())
@@ -188,7 +191,7 @@ def plot_module_bars(
         when = f"sample {index}"
     rows = trace.live_by_module(index, depth=depth)
     names = sorted(rows, key=_module_sort_key)
-    fig, ax = _new_axes(ax, (9, 0.35 * len(names) + 1.6))
+    fig, ax = _new_axes(ax, (FIGURE_WIDTH_IN, 0.35 * len(names) + 1.6))
     widest = max(sum(r.values()) for r in rows.values()) if rows else 0
     unit, scale = pick_unit(widest)
     left = np.zeros(len(names))
@@ -214,7 +217,7 @@ def plot_timelines(traces: dict[str, Trace], title: str | None = None):
 
     Returns the Figure.
     """
-    fig = CourseFigure(figsize=(10, 2.8 * len(traces) + 0.4), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 2.8 * len(traces) + 0.4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(len(traces), 1))
     top = max(t.timeline.total.max() for t in traces.values())
     unit, scale = pick_unit(top)
@@ -250,7 +253,7 @@ def plot_optimizer_phase(traces: Trace | dict[str, Trace], steps: tuple[int, ...
     ]
     top = max(int(rows.sum(axis=1).max()) for rows in samples)
     unit, scale = pick_unit(top)
-    fig = CourseFigure(figsize=(min(4.2 * len(panels), 13), 4), layout="constrained")
+    fig = CourseFigure(figsize=(min(4.2 * len(panels), FIGURE_WIDTH_IN), 4), layout="constrained")
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, (label, _, s), ph, rows in zip(axes, panels, phases, samples):
         xs = np.arange(len(rows))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plots import CATEGORY_COLORS, PHASE_SHADES, CourseFigure, plot_timeline
+from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure, plot_timeline
 from ..trace import ACTIVATIONS, GRADIENTS, ROOT, Trace, model_part, model_parts
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
@@ -172,7 +172,7 @@ def plot_backward_parts(profile: BackwardProfile, title: str | None = None, mark
     both panels. The two panels have their own scales. ``mark``: a timeline sample to mark
     with a dotted line (e.g. the step's peak). Returns the Figure.
     """
-    fig = CourseFigure(figsize=(10, 6), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 6), layout="constrained")
     ax_a, ax_g = fig.subplots(2, 1, sharex=True)
     xs = np.arange(len(profile.samples))
     n = len(profile.parts)
@@ -218,7 +218,7 @@ def plot_category(trace: Trace, category: str, step: int):
         raise ValueError(f"no samples for step {step}; steps recorded: {trace.steps}")
     values = tl.category(category)[idx]
     unit, scale = pick_unit(max(values.max(), 1))
-    fig = CourseFigure(figsize=(10, 3.2), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 3.2), layout="constrained")
     ax = fig.add_subplot()
     xs = np.arange(len(idx))
     ax.fill_between(xs, values / scale, step="post", color=CATEGORY_COLORS[category], linewidth=0)

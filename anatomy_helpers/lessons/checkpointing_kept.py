@@ -20,7 +20,7 @@ from .. import checkpointing
 from ..data import get_batch, seed_everything
 from ..formulas import KORTHIKANTI_TERMS, korthikanti_terms
 from ..model import ModelConfig
-from ..plots import CourseFigure
+from ..plots import FIGURE_WIDTH_IN, CourseFigure
 from ..saved import SavedRow, TermComparison, activations_by_part, attach_ops, layer_terms, saved_by_op, saved_rows
 from ..tables import Col, format_table
 from ..tracker import StepTracker
@@ -280,7 +280,7 @@ def plot_every_k(sweep: EveryKSweep, k: int | None = None, title: str | None = N
     """Measured bytes kept for backward against k, the count (:meth:`EveryKSweep.model`) at every k, the
     ``(L/k) x + kA`` curve, the measured minimum, sqrt(L) and sqrt(L x / A); ``k`` is marked. Returns the Figure."""
     unit, scale = pick_unit(max(sweep.measured))
-    fig = CourseFigure(figsize=(9, 4.4), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 4.4), layout="constrained")
     ax = fig.add_subplot()
     every = np.arange(1, sweep.n_layer + 1)
     smooth = np.linspace(1, sweep.n_layer, 400)

@@ -19,7 +19,7 @@ from matplotlib.patches import Patch
 
 from ..allocator import CachingAllocatorSim, Replay, replay, summarize_replay
 from ..budget import try_budget
-from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, CourseFigure, plot_budget_run
+from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure, plot_budget_run
 from ..tables import Col, format_table
 from ..trace import CATEGORIES, PHASES, Trace
 from ..train import make_model, make_optimizer, track_steps
@@ -112,7 +112,7 @@ def plot_allocator(result: Replay, trace: Trace | None = None, *, title: str | N
     cuda = trace is not None and trace.timeline.cuda_reserved is not None
     panels = 2 if cuda else 1
     unit, scale = pick_unit(max(int(res.max()), 1))
-    fig = CourseFigure(figsize=(10, 3.6 * panels + 0.4), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 3.6 * panels + 0.4), layout="constrained")
     axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
     ax = axes[0]
     ax.fill_between(
@@ -165,7 +165,7 @@ def plot_segment_map(sim: CachingAllocatorSim, categories: Iterable[int] | None 
     """
     cats = None if categories is None else np.asarray(categories)
     segs = sorted(sim.segments(), key=lambda s: (s.pool != "small", s.id))
-    fig = CourseFigure(figsize=(10, 0.17 * len(segs) + 1.4), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 0.17 * len(segs) + 1.4), layout="constrained")
     ax = fig.add_subplot()
     used: set[str] = set()
     for y, seg in enumerate(segs):

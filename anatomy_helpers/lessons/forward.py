@@ -16,7 +16,7 @@ import numpy as np
 import torch.nn as nn
 
 from ..data import get_batch
-from ..plots import CATEGORY_COLORS, CourseFigure
+from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure
 from ..saved import SavedRow, TermComparison, activations_by_part, distinct_bytes, first_savers, saved_rows
 from ..trace import Trace, model_part
 from ..tracker import StepTracker
@@ -89,7 +89,7 @@ def plot_activation_buildup(trace: Trace, rows: list[SavedRow] | None = None, st
     acts = trace.timeline.category("activations")[idx]
     parts = activations_by_part(rows)
     unit, scale = pick_unit(max(int(acts.max()), max(parts.values(), default=0)))
-    fig = CourseFigure(figsize=(11, 4), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 4), layout="constrained")
     ax, bx = fig.subplots(1, 2, width_ratios=[1.6, 1])
     xs = np.arange(len(idx))
     color = CATEGORY_COLORS["activations"]
@@ -265,7 +265,7 @@ def plot_scaling(results: list[Scaling], title: str | None = None):
     The fitted curves are the exact line / quadratic through the measured points; for a fit with
     an s^2 term its linear part is drawn dotted, so the gap is the quadratic term. Returns the Figure.
     """
-    fig = CourseFigure(figsize=(11, 4), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 4), layout="constrained")
     ax, bx = fig.subplots(1, 2)
     color = CATEGORY_COLORS["activations"]
     styles = {"manual": ("o", "-"), "sdpa": ("s", "--")}

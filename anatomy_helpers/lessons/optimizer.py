@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, CourseFigure
+from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure
 from ..tables import Col, format_table
 from ..tensors import storage_bytes
 from ..trace import Trace
@@ -217,7 +217,7 @@ def format_bytes_per_param(rows: list[BytesPerParam]) -> str:
 
 def plot_bytes_per_param(rows: list[BytesPerParam], title: str | None = None):
     """Horizontal stacked bars of bytes per parameter (weights, gradients, optimizer state, temporaries)."""
-    fig = CourseFigure(figsize=(10, 0.45 * len(rows) + 1.8), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 0.45 * len(rows) + 1.8), layout="constrained")
     ax = fig.add_subplot()
     ys = np.arange(len(rows))
     left = np.zeros(len(rows))

@@ -17,7 +17,7 @@ from ..dryrun import dry_run_config
 from ..estimate import estimate_step, impl_of, textbook_estimates
 from ..fit import STEP_PHASES, FitReport, describe, will_it_fit
 from ..model import ModelConfig
-from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, CourseFigure
+from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure
 from ..tables import Col, format_table
 from ..trace import CATEGORIES, Trace
 from ..tracker import StepTracker
@@ -104,7 +104,7 @@ def sweep_table(comparisons: list[MethodComparison]) -> str:
 def plot_predicted_vs_measured(comparisons: list[MethodComparison], title: str | None = None):
     """Predicted step peak (dry run, closed form) against the measured one, with the y = x line, and the closed
     form's error per configuration."""
-    fig = CourseFigure(figsize=(10, 4), layout="constrained")
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 4), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     measured = np.array([c.peaks[0] for c in comparisons]) / MiB
     dry = np.array([c.peaks[1] for c in comparisons]) / MiB
