@@ -174,8 +174,10 @@ def cheapest_fix(
 
 def _mixed_precision(dev: Device) -> tuple[str, str, str]:
     """The mixed-precision candidate for ``dev``: its name, effect and note."""
-    cuda = "CUDA autocast runs softmax, log_softmax and layer_norm in fp32: more"
-    rules = f"activations by CPU autocast's op lists ({cuda})"
+    if dev.capability is None:  # a size alone: the CPU kernels' rules
+        rules = "activations by CPU autocast's op lists (CUDA's runs softmax, log_softmax and layer_norm in fp32)"
+    else:
+        rules = "activations by CUDA autocast's op lists (softmax in fp32), from torch's source"
     if dev.mixed_precision == "float16":
         major, minor = dev.capability
         return (
