@@ -174,16 +174,22 @@ def autocast_softmax(trace: Trace, cfg: ModelConfig, autocast: str | None) -> li
 
 def sdpa_backend(cfg: ModelConfig, autocast: str | None, capability: tuple[int, int]) -> str:
     """The backend CUDA's ``scaled_dot_product_attention`` picks for the course model: "flash", "efficient" or
-    "math" (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, ``select_sdp_backend``: flash, then
-    efficient, then math). Flash needs fp16/bf16 inputs (``check_dtypes_low_precision``), compute capability
-    8.0 or more (``check_flash_attention_hardware_support``) and a head width of at most 256 that is a multiple
-    of 8; memory-efficient attention takes fp32 too, from capability 5.0, with the head width a multiple of 4
-    (fp32) or 8 (16-bit) (``check_head_dim_size_mem_efficient``). Both support dropout and ``is_causal``."""
+    "math", from aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: ``priority_order`` tries flash, then
+    memory-efficient, then math. Flash needs fp16/bf16 inputs (``check_dtypes_low_precision``; under autocast SDPA
+    is a lower-precision op), compute capability 8.0 or more (``check_flash_attention_hardware_support``) and one
+    head width of at most 256 (``check_head_dim_size_flash``); memory-efficient attention takes fp32 too, from
+    capability 5.0, with the head width a multiple of ``minimum_gemm_alignment``: 4 from 8.0 on, raised to 8 for
+    16-bit inputs where tensor cores are used (8.0 on, or 7.x with 16-bit inputs), else 1. Both take dropout and
+    ``is_causal``. Newer sources may prefer cuDNN attention from 9.0 on (``check_prefer_cudnn_attention``): it saves
+    (B, a, s, 1) fp32 statistics, the same bytes as flash's logsumexp.
+    """
     low = autocast is not None or cfg.dtype == "bfloat16"
-    d = cfg.head_dim
-    if low and tuple(capability) >= (8, 0) and d <= 256 and d % 8 == 0:
+    cap, d = tuple(capability), cfg.head_dim
+    if low and cap >= (8, 0) and d <= 256:
         return "flash"
-    if tuple(capability) >= (5, 0) and d % (8 if low else 4) == 0:
+    tensor_cores = cap >= (8, 0) or (cap >= (7, 0) and low)
+    align = max(4 if cap >= (8, 0) else 1, (8 if low else 4) if tensor_cores else 1)
+    if cap >= (5, 0) and d % align == 0:
         return "efficient"
     return "math"
 

@@ -86,7 +86,9 @@ def test_sdpa_backend_per_capability_and_dtype():
     assert sdpa_backend(fp32, "bfloat16", (8, 0)) == "flash" and sdpa_backend(bf16, None, (9, 0)) == "flash"
     assert sdpa_backend(fp32, "float16", (7, 5)) == "efficient"  # flash needs capability 8.0
     odd = ModelConfig(n_layer=1, d_model=6, n_head=2, seq_len=8, attn_impl="sdpa")  # head width 3
-    assert sdpa_backend(odd, None, (8, 0)) == "math"
+    assert sdpa_backend(odd, None, (8, 0)) == "math"  # efficient needs a multiple of 4 from 8.0 on
+    assert sdpa_backend(odd, None, (7, 5)) == "efficient"  # fp32 on 7.5: no tensor cores, alignment 1
+    assert sdpa_backend(odd, "float16", (7, 5)) == "math"  # fp16 on 7.5: tensor cores, a multiple of 8
 
 
 def test_sdpa_efficient_pads_the_logsumexp_and_dropout_is_refused():
