@@ -109,26 +109,44 @@ def test_a_device_without_capability_has_no_cuda_rules():
         cuda_corrections(trace, ModelConfig(**SMALL), None, get_device(2**30))
 
 
+#: The real-run check's config: big enough that the dropout rule moves the step by about 10 MB (the tolerance is
+#: 2 MiB), small enough for any GPU.
+REAL = dict(n_layer=2, d_model=128, n_head=4, seq_len=128, dropout=0.1)
+REAL_BATCH = 16
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.cuda
-@pytest.mark.parametrize("changes", [{}, {"dropout": 0.1}])
-def test_cuda_rules_against_a_real_step(changes):
-    """On a GPU (scripts/gpu_check.py): a real tracked CUDA step of a small config against the prediction with
-    CUDA's rules, per phase: the allocator's own allocated bytes at each phase's peak vs predicted tensors.
-    Printed for the first run on a GPU; asserted within 2 MiB + 2 % (allocator rounding to 512 B, cuBLASLt's own
-    workspace) where the rules hold."""
+def test_cuda_rules_against_a_real_step():
+    """On a GPU (scripts/gpu_check.py runs it alone, in a fresh process): a real tracked CUDA step against the
+    predictions with CUDA's rules and with the CPU kernels' rules, per phase, the allocator's own
+    ``memory_allocated`` at each phase's peak. Printed for the first run on a GPU; asserted within 2 MiB (two
+    cuBLASLt workspaces of 1 MiB, which no rule counts, and the allocator's 512-byte rounding)."""
+    import gc
+
     from anatomy_helpers import make_model, make_optimizer, track_steps
     from anatomy_helpers.devices import this_gpu
 
-    cfg = ModelConfig(**SMALL, **changes)
+    gc.collect()
     torch.cuda.empty_cache()
-    model = make_model(device="cuda", **SMALL, **changes)
+    if torch.cuda.memory_allocated():  # cuBLAS workspaces from earlier tests: they are never freed
+        pytest.skip("needs a process that has not run CUDA matmuls yet (scripts/gpu_check.py runs it alone)")
+    cfg = ModelConfig(**REAL)
+    model = make_model(device="cuda", **REAL)
     opt = make_optimizer(model, "adamw", foreach=True)
-    real = track_steps(model, opt, steps=2, batch_size=B)
-    report = will_it_fit(cfg, B, implementation="foreach", device=this_gpu())
-    print(report.rules)
-    for p in report.phases:
+    real = track_steps(model, opt, steps=2, batch_size=REAL_BATCH)
+    dev = this_gpu()
+    rules = will_it_fit(cfg, REAL_BATCH, implementation="foreach", device=dev)
+    cpu = will_it_fit(cfg, REAL_BATCH, implementation="foreach", device=dev.total)  # CPU kernels' rules
+    print(f"{dev.name}, compute capability {dev.capability}: {rules.rules}")
+    print("step  phase      measured   CUDA rules  (diff)      CPU rules  (diff)")
+    worst = 0
+    for p, c in zip(rules.phases, cpu.phases):
         ph = real.phase(p.step, p.phase)
-        measured = int(real.timeline.cuda_allocated[ph.start : ph.end + 1].max())
-        print(f"step {p.step} {p.phase:9s} measured {measured:>12,} predicted {p.tensors:>12,}")
-        assert abs(measured - p.tensors) <= 2 * 2**20 + 0.02 * measured
+        measured = int(real.timeline.cuda_allocated[max(ph.start - 1, 0) : ph.end + 1].max())
+        print(
+            f"{p.step:>4}  {p.phase:9s} {measured:>10,} {p.tensors:>12,} {p.tensors - measured:>+9,} "
+            f"{c.tensors:>12,} {c.tensors - measured:>+9,}"
+        )
+        worst = max(worst, abs(p.tensors - measured))
+    assert worst <= 2 * 2**20
