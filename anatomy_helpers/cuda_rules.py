@@ -241,11 +241,14 @@ def cuda_corrections(trace: Trace, cfg: ModelConfig, autocast: str | None, devic
     ]
 
 
-def rules_text(corrections: list[Correction] | None) -> str:
-    """The rules line of a prediction: "CPU kernels" (None) or the CUDA rules that changed something."""
+def rules_text(corrections: list[Correction] | None, sdpa: str | None = None) -> str:
+    """The rules line of a prediction: "CPU kernels" (None) or the CUDA rules that changed something, and the SDPA
+    backend CUDA would run (``sdpa``, from :func:`sdpa_backend`) where the model uses SDPA."""
     if corrections is None:
         return CPU_RULES
     used = list(dict.fromkeys(c.rule for c in corrections if c.nbytes))
+    if sdpa is not None:
+        used.append(f"SDPA's {sdpa} backend")
     return CUDA_RULES.format(", ".join(used) or "none changed this step")
 
 

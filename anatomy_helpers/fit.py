@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import replay, replay_with_limit
-from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text
+from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
 from .devices import Device, get_device
 from .dryrun import dry_run_config
 from .model import GPT, ModelConfig
@@ -252,8 +252,11 @@ def will_it_fit(
     "h200"), "this GPU" (CUDA only), a total in bytes, or a :class:`~anatomy_helpers.devices.Device`.
     ``implementation`` is the optimizer's ("single", "foreach": torch's CUDA default, "fused"). Usable memory is
     the device's minus the CUDA context's share; the verdict replays the dry run's allocations through the
-    caching-allocator simulator capped at it (see :class:`FitReport`). Kernel scratch (cuBLAS workspaces, attention
-    kernels' scratch) is not in a dry run: keep a margin.
+    caching-allocator simulator capped at it (see :class:`FitReport`). For a GPU named with its compute capability
+    the phase needs follow CUDA's rules (:mod:`anatomy_helpers.cuda_rules`: cuBLAS workspaces added, dropout masks
+    and autocast's softmax corrected; :class:`~anatomy_helpers.cuda_rules.CudaRuleError` where no rule is stated);
+    a device given as a size keeps the CPU kernels'. Kernel scratch (attention kernels' scratch) is in neither: keep
+    a margin.
 
     ``micro_batches=k`` (gradient accumulation, ``batch_size`` the global batch): the dry run has no micro-batches,
     so it runs one micro-batch and adds what accumulation keeps alive, an upper bound (see :func:`fit_run`).
@@ -307,10 +310,11 @@ def fit_run(runs, cfg, batch_size, optimizer, implementation, autocast, dev, mic
     both = {"gradients": grads, "inputs": inputs}
     extra = {"forward": both, "backward": both, "optimizer": {"inputs": inputs}}
     limit = dev.usable - grads - inputs
-    corrections, series = None, None
+    corrections, series, sdpa = None, None, None
     if dev.capability is not None:  # a GPU we know: CUDA's rules (CudaRuleError where one cannot be stated)
         corrections = cuda_corrections(trace, cfg, autocast, dev)
         series = correction_series(trace, corrections)
+        sdpa = sdpa_backend(cfg, autocast, dev.capability) if cfg.attn_impl == "sdpa" else None
         limit -= max(0, int(series.sum(axis=1).max()))  # the replay has no CUDA-only storages: keep them out
     if limit <= 0:
         failure = (0, "idle")
@@ -324,5 +328,5 @@ def fit_run(runs, cfg, batch_size, optimizer, implementation, autocast, dev, mic
     needs = phase_needs(trace, extra, rep, series)
     return FitReport(
         label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note(),
-        rules_text(corrections),
+        rules_text(corrections, sdpa),
     )  # fmt: skip

@@ -97,8 +97,9 @@ def test_sdpa_efficient_pads_the_logsumexp_and_dropout_is_refused():
     gpu = will_it_fit(cfg, B, device="t4")
     pad = 32 - 20  # kAlignLSE: (B, a, s) fp32 rows padded to 32
     assert _forward_end(gpu) == _forward_end(cpu) + SMALL["n_layer"] * 4 * B * SMALL["n_head"] * pad + 8_519_680
+    assert "SDPA efficient logsumexp" in gpu.rules and "SDPA's efficient backend" in gpu.rules
     flash = will_it_fit(cfg, B, autocast="bfloat16", device="a100-80")  # flash saves what CPU's flash does
-    assert "SDPA" not in flash.rules
+    assert "logsumexp" not in flash.rules and "SDPA's flash backend" in flash.rules
     with pytest.raises(CudaRuleError, match="dropout"):
         will_it_fit(ModelConfig(**SMALL, attn_impl="sdpa", dropout=0.1), B, device="a100-80")
 
