@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .checkpointing import recomputes_blocks
 from .devices import Device
 from .model import GPT, ModelConfig
 from .records import CATEGORIES
@@ -89,7 +90,10 @@ def dropout_masks(trace: Trace, cfg: ModelConfig) -> list[Correction]:
     ``dropout_cuda`` (aten/src/ATen/native/cuda/Dropout.cu) returns ``(output, mask)`` with the mask
     ``at::empty_like(self, ... kBool)``, and ``native_dropout_backward`` needs only the mask and the scale.
     So each saved dropout storage shrinks from ``itemsize`` to 1 byte per element, over its lifetime. The saved
-    tensors are counted from the trace (the modules that are ``nn.Dropout``), not from the config.
+    tensors are counted from the trace (the modules that are ``nn.Dropout``), not from the config. Under a policy
+    that recomputes blocks (full, every_k, selective) the masks remade in backward are saved under checkpoint's own
+    hooks, not in ``trace.saved``: they stay at the CPU size, so the backward peak is overstated by at most one
+    segment's masks (a stated upper bound).
     """
     if cfg.dropout == 0:
         return []
@@ -154,6 +158,12 @@ def autocast_softmax(trace: Trace, cfg: ModelConfig, autocast: str | None) -> li
         )
     if cfg.attn_impl != "manual":
         return []
+    if recomputes_blocks(cfg.checkpoint):
+        raise CudaRuleError(
+            f"autocast with the manual attention and checkpoint={cfg.checkpoint!r}: the softmax outputs recomputed "
+            "in backward are saved under checkpoint's own hooks, out of the trace's sight, so CUDA's fp32 softmax "
+            "cannot be applied to them; use attn_impl='sdpa' or another policy"
+        )
     out, seen = [], set()
     for s in trace.saved:
         # the manual attention's softmax output: the only 4-D (B, a, s, s) 16-bit tensor its module saves
@@ -233,6 +243,11 @@ def cuda_corrections(trace: Trace, cfg: ModelConfig, autocast: str | None, devic
     """All the rules above for ``device`` (one with a compute capability); CudaRuleError where one refuses."""
     if device.capability is None:
         raise ValueError(f"{device.name} has no compute capability: its rules are the CPU kernels'")
+    if cfg.checkpoint == "offload":
+        raise CudaRuleError(
+            "checkpoint='offload' on CUDA moves saved tensors to host memory (save_on_cpu), which a CPU dry run "
+            "cannot show (there it is a no-op, checkpointing.offload_context): no rule here states the GPU's share"
+        )
     return [
         *dropout_masks(trace, cfg),
         *cublas_workspaces(trace, device.capability),

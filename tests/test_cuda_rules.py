@@ -15,6 +15,7 @@ from anatomy_helpers.cuda_rules import (
 from anatomy_helpers.devices import DEVICES, get_device
 from anatomy_helpers.dryrun import dry_run_config
 from anatomy_helpers.fit import will_it_fit
+from anatomy_helpers.fixes import cheapest_fix
 from anatomy_helpers.model import ModelConfig
 
 from .conftest import SMALL
@@ -102,6 +103,16 @@ def test_sdpa_efficient_pads_the_logsumexp_and_dropout_is_refused():
     assert "logsumexp" not in flash.rules and "SDPA's flash backend" in flash.rules
     with pytest.raises(CudaRuleError, match="dropout"):
         will_it_fit(ModelConfig(**SMALL, attn_impl="sdpa", dropout=0.1), B, device="a100-80")
+
+
+def test_what_no_rule_states_is_refused_and_left_out_of_the_fixes():
+    with pytest.raises(CudaRuleError, match="offload"):  # on CPU save_on_cpu is a no-op; on CUDA it moves to host
+        will_it_fit(ModelConfig(**SMALL, checkpoint="offload"), B, device="t4")
+    with pytest.raises(CudaRuleError, match="recomputed"):
+        will_it_fit(ModelConfig(**SMALL, checkpoint="full"), B, autocast="float16", device="t4")
+    assert will_it_fit(ModelConfig(**SMALL, checkpoint="offload"), B, device=2**34).rules == "CPU kernels"
+    names = [f.name for f in cheapest_fix(ModelConfig(**SMALL), B, autocast="bfloat16", device="a100-80")]
+    assert "checkpoint=attention" in names and not {"checkpoint=full", "checkpoint=selective"} & set(names)
 
 
 def test_a_device_without_capability_has_no_cuda_rules():
