@@ -8,8 +8,10 @@ The devices, their memory as the driver reports it and the CUDA context's share,
 than the tensors need: we replay the dry run's allocation record through the allocator simulator
 (:func:`anatomy_helpers.allocator.replay`), a simulation of the allocator's rules, not a measurement.
 
-The dry run follows the CPU kernels' rules (what autograd saves, autocast's op lists): where CUDA's differ, the
-prediction for a GPU is off by that difference (see each fix's note).
+The dry run follows the CPU kernels' rules (what autograd saves, autocast's op lists). For a GPU with a known
+compute capability the phase needs are corrected by CUDA's rules from torch's source
+(:mod:`anatomy_helpers.cuda_rules`: dropout masks, cuBLAS workspaces, autocast's fp32 softmax, SDPA's backend), not
+yet checked on that GPU; a device given only by its size keeps the CPU kernels' rules. Each report says which.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import replay, replay_with_limit
+from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
 from .devices import Device, get_device
 from .dryrun import dry_run_config
 from .model import GPT, ModelConfig
@@ -70,6 +73,7 @@ class FitReport:
     reserved_extra: int = 0  # bytes kept out of the cap for tensors the dry run does not make (accumulation)
     note: str = ""
     context_note: str = "CUDA context (assumed)"
+    rules: str = CPU_RULES  # which device rules the phase needs follow (see cuda_rules.rules_text)
 
     @property
     def fits(self) -> bool:
@@ -115,6 +119,7 @@ class FitReport:
             else ""
         )
         footer = [
+            f"rules: {self.rules}",
             f"usable on {self.device}: {size_text(self.usable)} = {size_text(self.capacity)} "
             f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}",
             self.verdict(),
@@ -125,25 +130,33 @@ class FitReport:
         return format_table(cols, rows, note=note, footer=footer)
 
 
-def phase_needs(trace: Trace, extra: dict[str, dict[str, int]] | None = None, rep=None) -> tuple[PhaseNeed, ...]:
+def phase_needs(
+    trace: Trace, extra: dict[str, dict[str, int]] | None = None, rep=None, series=None
+) -> tuple[PhaseNeed, ...]:
     """Step 1's and step 2's phases of a dry run: tensor peaks, and the simulated allocator's reserved bytes at them.
 
     ``extra`` adds bytes to a phase's tensors (phase name -> category -> bytes: what gradient accumulation keeps
     alive beyond a plain step of one micro-batch, see :func:`cheapest_fix`). ``rep``: the uncapped
-    :func:`~anatomy_helpers.allocator.replay` of the trace's record, if already made.
+    :func:`~anatomy_helpers.allocator.replay` of the trace's record, if already made. ``series``: CUDA rules'
+    corrections per sample and category (:func:`~anatomy_helpers.cuda_rules.correction_series`); the peaks are
+    then those of the corrected timeline, and the reserved bytes get the correction at that moment added.
     """
     rep = replay(trace.allocation_record()) if rep is None else rep
     n0 = len(trace.baseline_ids)  # the record's first rows are the storages alive at the start
     out = []
     for step, phase in STEP_PHASES:
         pk = trace.peak(step=step, phase=phase)
-        reserved = int(rep.reserved[n0 + pk.index]) if len(rep.reserved) else 0
-        breakdown = dict(pk.breakdown)
+        tensors, index, breakdown = pk.bytes, pk.index, dict(pk.breakdown)
+        if series is not None:
+            tensors, index, breakdown = corrected_peak(trace, series, step, phase)
+        reserved = int(rep.reserved[n0 + index]) if len(rep.reserved) else 0
+        if series is not None:
+            reserved += int(series[index].sum())
         add = (extra or {}).get(phase, {})
         for category, nbytes in add.items():
             breakdown[category] = breakdown.get(category, 0) + nbytes
         add = sum(add.values())
-        out.append(PhaseNeed(step, phase, pk.bytes + add, reserved + add, breakdown))
+        out.append(PhaseNeed(step, phase, tensors + add, reserved + add, breakdown))
     return tuple(out)
 
 
@@ -239,8 +252,11 @@ def will_it_fit(
     "h200"), "this GPU" (CUDA only), a total in bytes, or a :class:`~anatomy_helpers.devices.Device`.
     ``implementation`` is the optimizer's ("single", "foreach": torch's CUDA default, "fused"). Usable memory is
     the device's minus the CUDA context's share; the verdict replays the dry run's allocations through the
-    caching-allocator simulator capped at it (see :class:`FitReport`). Kernel scratch (cuBLAS workspaces, attention
-    kernels' scratch) is not in a dry run: keep a margin.
+    caching-allocator simulator capped at it (see :class:`FitReport`). For a GPU named with its compute capability
+    the phase needs follow CUDA's rules (:mod:`anatomy_helpers.cuda_rules`: cuBLAS workspaces added, dropout masks
+    and autocast's softmax corrected; :class:`~anatomy_helpers.cuda_rules.CudaRuleError` where no rule is stated);
+    a device given as a size keeps the CPU kernels'. Kernel scratch (attention kernels' scratch) is in neither: keep
+    a margin.
 
     ``micro_batches=k`` (gradient accumulation, ``batch_size`` the global batch): the dry run has no micro-batches,
     so it runs one micro-batch and adds what accumulation keeps alive, an upper bound (see :func:`fit_run`).
@@ -294,6 +310,12 @@ def fit_run(runs, cfg, batch_size, optimizer, implementation, autocast, dev, mic
     both = {"gradients": grads, "inputs": inputs}
     extra = {"forward": both, "backward": both, "optimizer": {"inputs": inputs}}
     limit = dev.usable - grads - inputs
+    corrections, series, sdpa = None, None, None
+    if dev.capability is not None:  # a GPU we know: CUDA's rules (CudaRuleError where one cannot be stated)
+        corrections = cuda_corrections(trace, cfg, autocast, dev)
+        series = correction_series(trace, corrections)
+        sdpa = sdpa_backend(cfg, autocast, dev.capability) if cfg.attn_impl == "sdpa" else None
+        limit -= max(0, int(series.sum(axis=1).max()))  # the replay has no CUDA-only storages: keep them out
     if limit <= 0:
         failure = (0, "idle")
     elif len(rep.reserved) and rep.reserved.max() <= limit:
@@ -303,5 +325,8 @@ def fit_run(runs, cfg, batch_size, optimizer, implementation, autocast, dev, mic
     else:
         capped = replay_with_limit(trace.allocation_record(), limit)
         failure = None if capped.passed else (capped.step, capped.phase)
-    needs = phase_needs(trace, extra, rep)
-    return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note())
+    needs = phase_needs(trace, extra, rep, series)
+    return FitReport(
+        label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note(),
+        rules_text(corrections, sdpa),
+    )  # fmt: skip

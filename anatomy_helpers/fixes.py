@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from .cuda_rules import CudaRuleError
 from .devices import Device
 from .dryrun import build_fake_model, course_batch, gpt_loss
 from .fit import DryRuns, FitReport, check_request, fit_run
@@ -118,7 +119,8 @@ def cheapest_fix(
       need a custom optimizer, which ``dry_run_config`` cannot build: not offered.
 
     With ``micro_batches=m`` the configuration already accumulates: every candidate keeps it, and the
-    accumulation candidates try 2m, 4m, ... micro-batches.
+    accumulation candidates try 2m, 4m, ... micro-batches. A candidate whose memory on ``device`` no CUDA rule
+    states (:class:`~anatomy_helpers.cuda_rules.CudaRuleError`) is left out, not guessed.
     """
     cfg = cfg if cfg is not None else ModelConfig()
     dev = check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches)
@@ -134,7 +136,10 @@ def cheapest_fix(
         return Fix(name, report, flops / base_flops - 1, effect, note, micro)
 
     def add(*args, **kwargs):
-        fixes.append(candidate(*args, **kwargs))
+        try:
+            fixes.append(candidate(*args, **kwargs))
+        except CudaRuleError:  # no CUDA rule states this candidate's memory on dev: not offered rather than guessed
+            pass
 
     # Micro-batches and smaller batches: FLOPs per sequence do not change (every FLOP formula is linear in the
     # batch), so they are not counted again.
@@ -174,8 +179,10 @@ def cheapest_fix(
 
 def _mixed_precision(dev: Device) -> tuple[str, str, str]:
     """The mixed-precision candidate for ``dev``: its name, effect and note."""
-    cuda = "CUDA autocast runs softmax, log_softmax and layer_norm in fp32: more"
-    rules = f"activations by CPU autocast's op lists ({cuda})"
+    if dev.capability is None:  # a size alone: the CPU kernels' rules
+        rules = "activations by CPU autocast's op lists (CUDA's runs softmax, log_softmax and layer_norm in fp32)"
+    else:
+        rules = "activations by CUDA autocast's op lists (softmax in fp32), from torch's source"
     if dev.mixed_precision == "float16":
         major, minor = dev.capability
         return (

@@ -1,4 +1,7 @@
-"""One command for a CUDA machine: the CUDA-only tests, the CLI on the GPU, and every notebook executed on the GPU.
+"""One command for a CUDA machine: prediction rules vs a real step, CUDA-only tests, the CLI and notebooks on the GPU.
+
+First the CUDA rules a prediction applies (anatomy_helpers/cuda_rules.py) against a real step, phase by phase; then
+the CUDA-only tests, the CLI on the GPU, and every notebook executed on the GPU.
 
     python scripts/gpu_check.py [--out DIR]
 
@@ -44,6 +47,10 @@ def main() -> int:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
     results: list = []
     py = sys.executable
+    # Alone first, in a fresh process: the CUDA rules of a prediction (cuda_rules.py: cuBLAS workspaces, dropout
+    # masks) against a real step, per phase; its cuBLAS workspaces must not exist yet. Prints the table.
+    rules_test = "tests/test_cuda_rules.py::test_cuda_rules_against_a_real_step"
+    run("CUDA rules vs a real step", [py, "-m", "pytest", "-q", "-s", "-rs", rules_test], results)
     run("CUDA tests", [py, "-m", "pytest", "-q", "-rs", "tests", "-m", "cuda"], results)  # @pytest.mark.cuda
     run(
         "CLI on cuda",

@@ -74,7 +74,10 @@ def test_this_gpu_reads_mem_get_info(monkeypatch):
 
 def test_fit_report_phases_are_the_dry_runs_phase_peaks():
     cfg = ModelConfig(**SMALL)
-    report = will_it_fit(cfg, 4, implementation="single")
+    # a T4's size without its capability: the CPU kernels' rules, so the phases are the dry run's own peaks (the
+    # named T4 adds CUDA's rules, tests/test_cuda_rules.py)
+    report = will_it_fit(cfg, 4, implementation="single", device=DEVICES["t4"].total)
+    assert report.rules == "CPU kernels" and "rules: CPU kernels" in report.table()
     trace = dry_run_config(cfg, batch_size=4, foreach=False)
     assert [(p.step, p.phase) for p in report.phases] == [
         (s, ph) for s in (1, 2) for ph in ("forward", "backward", "optimizer")
