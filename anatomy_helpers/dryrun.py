@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from . import fake_check
+from .checks import one_of, positive_int
 from .fake_check import CheckedFakeTensorMode, check_calls, op_checked
 from .interrupts import DeferredInterrupt
 from .model import GPT, ModelConfig
@@ -207,10 +208,8 @@ def run_steps(
 
 
 def _check_steps(steps, autocast) -> None:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if autocast not in AUTOCAST_CHOICES:
-        raise ValueError(f"autocast must be one of {AUTOCAST_CHOICES}, got {autocast!r}")
+    positive_int("steps", steps)
+    one_of("autocast", autocast, AUTOCAST_CHOICES)
 
 
 def dry_run(
@@ -366,8 +365,7 @@ def dry_run_config(
     if cfg is not None and config:
         raise ValueError("pass either a ModelConfig or its fields as keywords, not both")
     cfg = cfg if cfg is not None else ModelConfig(**config)
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    positive_int("batch_size", batch_size)
     _check_steps(steps, autocast)
 
     def run(cfg: ModelConfig, batch_size: int):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import replay, replay_with_limit
+from .checks import positive_int
 from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
 from .devices import Device, get_device
 from .dryrun import dry_run_config
@@ -198,10 +199,8 @@ def check_request(cfg, batch_size, optimizer, implementation, autocast, device, 
         )
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    positive_int("batch_size", batch_size)
+    positive_int("micro_batches", micro_batches)
     if batch_size % micro_batches:
         raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches})")
     if optimizer not in OPTIMIZERS:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .checks import positive_int
+
 if TYPE_CHECKING:  # imported for the type hint only: model.py imports this module
     from .model import ModelConfig
 
@@ -95,8 +97,7 @@ def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:
     4h GELU MLP. The values sum to :func:`korthikanti_layer_bytes`.
     """
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(name, value)
     per_unit = {"sbh": s * b * h, "as^2b": a * s * s * b}
     return {term: coef * per_unit[unit] for term, _, coef, unit in KORTHIKANTI_TERMS}
 

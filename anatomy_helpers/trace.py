@@ -21,6 +21,7 @@ from functools import cached_property
 import numpy as np
 
 # The vocabulary lives in records.py; the names other modules reach for are re-exported here.
+from .checks import positive_int
 from .records import (  # noqa: F401  (re-exported)
     ACTIVATIONS,
     CATEGORIES,
@@ -297,8 +298,7 @@ class Trace:
         Module names are cut to ``depth`` parts (``blocks.0.attn.qkv`` -> ``blocks.0``).
         Parameters count under the module that owns them.
         """
-        if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be a positive integer, got {depth!r}")
+        positive_int("depth", depth)
         out: dict[str, dict[str, int]] = {}
         for r in self.live_allocations(index):
             name = ".".join(r.module.split(".")[:depth])

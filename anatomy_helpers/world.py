@@ -11,7 +11,6 @@ rank's :class:`~anatomy_helpers.distributed.RankResult`; :func:`worker_main` is 
 from __future__ import annotations
 
 import faulthandler
-import math
 import os
 import pickle
 import select
@@ -26,6 +25,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from .checks import positive_number
 from .distributed import ZERO_STAGE, RankJob, RankResult
 
 # ---- starting the ranks ---------------------------------------------------------------------------------------
@@ -91,8 +91,7 @@ def _check_args(world_size, port, backend, timeout_s) -> None:
         raise ValueError(f"port must be None (a free one) or an integer from 1 to 65535, got {port!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
-        raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
+    positive_number("timeout_s", timeout_s)  # seconds
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
