@@ -203,7 +203,7 @@ def plot_fit(report: FitReport, title: str | None = None):
     ]
     drawn = [line for line in lines if line[0] <= DEVICE_LINE_RANGE * tallest]
     unit, scale = pick_unit(max([tallest] + [b for b, _, _ in drawn]))
-    fig = CourseFigure(figsize=(8, 3.3), layout="constrained")  # fits a 1280 px window's notebook column (844 px)
+    fig = CourseFigure(figsize=(8, 2.9), layout="constrained")  # fits a 1280 px window's notebook column (844 px)
     ax = fig.add_subplot()
     xs = np.arange(len(report.phases))
     shown = [c for c in CATEGORIES if any(p.breakdown.get(c, 0) for p in report.phases)]
