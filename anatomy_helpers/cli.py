@@ -92,8 +92,8 @@ def _positive_gib(text: str) -> float:
 
 def build_predict_parser() -> argparse.ArgumentParser:
     from .checkpointing import CHECKPOINT_POLICIES
-    from .devices import DEVICES
-    from .fit import IMPLEMENTATION_FLAGS, MAX_LAYERS
+    from .prediction.devices import DEVICES
+    from .prediction.fit import IMPLEMENTATION_FLAGS, MAX_LAYERS
 
     d = ModelConfig()
     p = argparse.ArgumentParser(
@@ -164,9 +164,9 @@ def _predict_config(args) -> ModelConfig:
 def predict_main(argv: list[str]) -> int:
     import json
 
-    from .devices import DEVICES, gib_device
-    from .fit import check_request, will_it_fit
-    from .fixes import cheapest_fix, fixes_table
+    from .prediction.devices import DEVICES, gib_device
+    from .prediction.fit import check_request, will_it_fit
+    from .prediction.fixes import cheapest_fix, fixes_table
 
     parser = build_predict_parser()
     args = parser.parse_args(argv)

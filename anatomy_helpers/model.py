@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .checkpointing import attention_core, check_policy, offload_context, recomputes_blocks, run_checkpointed
 from .checks import positive_int
 from .data import get_tokenizer, max_seq_len
-from .formulas import param_count
+from .prediction.formulas import param_count
 
 ATTENTION_IMPLS = ("manual", "sdpa")
 BLOCKS = ("gpt2", "llama")  # GPT-2's block, or Llama's: RMSNorm, SwiGLU, rotary positions, grouped-query attention

@@ -12,7 +12,7 @@ import torch.nn as nn
 from .checks import optional_callable, positive_int, positive_number
 from .data import get_batch, seed_everything
 from .model import GPT, ModelConfig
-from .tracker import StepTracker, Trace
+from .tracking.tracker import StepTracker, Trace
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 
@@ -135,7 +135,7 @@ def track_steps(
     a multiple of k) into k micro-batches of ``batch_size // k`` rows, runs forward and backward of each (loss
     divided by k, so the gradients are the global batch's mean), then one optimizer step. The tracker counts
     the k forward/backward passes as micro-steps of one step.
-    ``world_size > 1``: data parallelism (see distributed.py). This process is rank ``rank``: it trains rows
+    ``world_size > 1``: data parallelism (see distributed/ranks.py). This process is rank ``rank``: it trains rows
     ``rank * b`` to ``(rank + 1) * b - 1`` of each global batch (``b = batch_size // world_size``), copied out as
     a data loader would hand them over, in micro-batches of ``b // micro_batches``. ``model`` may be a wrapper
     (DDP) whose ``.module`` is the course GPT. ``tracker``: a StepTracker (or subclass) of this model and

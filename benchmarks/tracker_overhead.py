@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from anatomy_helpers import StepTracker, get_batch, make_model, make_optimizer, train_step
-from anatomy_helpers.scratch import MemoryEvents, quiet_stderr
+from anatomy_helpers.tracking.scratch import MemoryEvents, quiet_stderr
 
 
 class _RunEveryOp(TorchDispatchMode):

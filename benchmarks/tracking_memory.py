@@ -19,7 +19,7 @@ CHILD = r"""
 import gc, json, sys
 import torch
 from anatomy_helpers import make_model, make_optimizer, track_steps
-import anatomy_helpers.scratch as scratch
+import anatomy_helpers.tracking.scratch as scratch
 
 steps, d_model, layers, trim = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 if not trim:

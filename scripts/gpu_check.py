@@ -1,7 +1,7 @@
 """One command for a CUDA machine: prediction rules vs a real step, CUDA-only tests, the CLI and notebooks on the GPU.
 
-First the CUDA rules a prediction applies (anatomy_helpers/cuda_rules.py) against a real step, phase by phase; then
-the CUDA-only tests, the CLI on the GPU, and every notebook executed on the GPU.
+First the CUDA rules a prediction applies (anatomy_helpers/prediction/cuda_rules.py) against a real step, phase by
+phase; then the CUDA-only tests, the CLI on the GPU, and every notebook executed on the GPU.
 
     python scripts/gpu_check.py [--out DIR]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.trace import AllocationRecord
+from anatomy_helpers.tracking.trace import AllocationRecord
 
 # One torch thread per xdist worker when scripts/test.sh runs two workers on two cores: two threads each would
 # oversubscribe the cores, and OpenMP's waiting threads made the unit tests a third slower. Alone: two, as CI has.

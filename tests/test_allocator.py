@@ -4,7 +4,7 @@ docstring (every expected segment, block and counter below is written out, never
 import numpy as np
 import pytest
 
-from anatomy_helpers.allocator import (
+from anatomy_helpers.prediction.allocator import (
     BlockState,
     CachingAllocatorSim,
     LimitedAllocatorSim,
@@ -21,7 +21,7 @@ from anatomy_helpers.allocator import (
     segment_size_for,
     summarize_replay,
 )
-from anatomy_helpers.trace import AllocationRecord
+from anatomy_helpers.tracking.trace import AllocationRecord
 
 from .conftest import make_record
 

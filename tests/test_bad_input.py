@@ -8,9 +8,9 @@ import torch
 from torch._C._autograd import _profiler_enabled
 
 from anatomy_helpers import StepTracker, make_model, make_optimizer, track_steps
-from anatomy_helpers.allocator import CachingAllocatorSim, LimitedAllocatorSim, allocator_at
-from anatomy_helpers.fit import will_it_fit
-from anatomy_helpers.world import RankJob, run_world
+from anatomy_helpers.distributed.world import RankJob, run_world
+from anatomy_helpers.prediction.allocator import CachingAllocatorSim, LimitedAllocatorSim, allocator_at
+from anatomy_helpers.prediction.fit import will_it_fit
 
 from .conftest import SMALL
 

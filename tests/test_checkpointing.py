@@ -10,7 +10,6 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from anatomy_helpers import ModelConfig, make_model, make_optimizer, track_steps
-from anatomy_helpers.formulas import korthikanti_layer_bytes, korthikanti_terms
 from anatomy_helpers.lessons.checkpointing import (
     Policy,
     block_gradients,
@@ -44,7 +43,8 @@ from anatomy_helpers.lessons.checkpointing_kept import (
     segment_sizes,
     track_kept,
 )
-from anatomy_helpers.trace import CATEGORIES
+from anatomy_helpers.prediction.formulas import korthikanti_layer_bytes, korthikanti_terms
+from anatomy_helpers.tracking.trace import CATEGORIES
 from tests.conftest import SMALL
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -119,7 +119,7 @@ PREDICT_TINY = ["predict", "--layers", "1", "--d-model", "32", "--heads", "2", "
     ],
 )
 def test_predict_bad_options_exit_2_before_any_work(args, message, capsys, monkeypatch):
-    import anatomy_helpers.fit as fit
+    import anatomy_helpers.prediction.fit as fit
 
     monkeypatch.setattr(fit, "dry_run_config", lambda *a, **k: pytest.fail("dry-ran a refused request"))
     with pytest.raises(SystemExit) as e:

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from anatomy_helpers import cuda
-from anatomy_helpers.allocator import replay
-from anatomy_helpers.cuda import (
+from anatomy_helpers.lessons.first_step import plot_allocator
+from anatomy_helpers.prediction.allocator import replay
+from anatomy_helpers.tracking import cuda
+from anatomy_helpers.tracking.cuda import (
     CudaStats,
     SimVsReal,
     choose_cuda_limit,
@@ -20,8 +21,7 @@ from anatomy_helpers.cuda import (
     format_cuda_step_stats,
     format_cuda_vs_simulated,
 )
-from anatomy_helpers.lessons.first_step import plot_allocator
-from anatomy_helpers.trace import CudaMark, PhaseMark, Timeline, Trace
+from anatomy_helpers.tracking.trace import CudaMark, PhaseMark, Timeline, Trace
 
 MiB = 2**20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

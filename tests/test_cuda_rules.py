@@ -1,10 +1,11 @@
-"""CUDA's memory rules applied to CPU dry runs (anatomy_helpers/cuda_rules.py), tested on CPU: each expected
+"""CUDA's memory rules applied to CPU dry runs (anatomy_helpers/prediction/cuda_rules.py), tested on CPU: each expected
 figure is counted here by hand from the config, not read from the code under test."""
 
 import pytest
 import torch
 
-from anatomy_helpers.cuda_rules import (
+from anatomy_helpers.model import ModelConfig
+from anatomy_helpers.prediction.cuda_rules import (
     CudaRuleError,
     autocast_softmax,
     cublas_workspace_bytes,
@@ -12,11 +13,10 @@ from anatomy_helpers.cuda_rules import (
     dropout_masks,
     sdpa_backend,
 )
-from anatomy_helpers.devices import DEVICES, get_device
-from anatomy_helpers.dryrun import dry_run_config
-from anatomy_helpers.fit import will_it_fit
-from anatomy_helpers.fixes import cheapest_fix
-from anatomy_helpers.model import ModelConfig
+from anatomy_helpers.prediction.devices import DEVICES, get_device
+from anatomy_helpers.prediction.dryrun import dry_run_config
+from anatomy_helpers.prediction.fit import will_it_fit
+from anatomy_helpers.prediction.fixes import cheapest_fix
 
 from .conftest import SMALL
 
@@ -137,7 +137,7 @@ def test_cuda_rules_against_a_real_step():
     import gc
 
     from anatomy_helpers import make_model, make_optimizer, track_steps
-    from anatomy_helpers.devices import this_gpu
+    from anatomy_helpers.prediction.devices import this_gpu
 
     gc.collect()
     torch.cuda.empty_cache()

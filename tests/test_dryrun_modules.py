@@ -5,8 +5,9 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from anatomy_helpers import fake_check, make_optimizer
-from anatomy_helpers.dryrun import DryRunError, dry_run, dry_run_config, fake_module, run_steps
+from anatomy_helpers import make_optimizer
+from anatomy_helpers.prediction import fake_check
+from anatomy_helpers.prediction.dryrun import DryRunError, dry_run, dry_run_config, fake_module, run_steps
 
 from .conftest import SMALL
 from .test_dryrun import assert_same_trace

@@ -1,4 +1,4 @@
-"""The closed form (anatomy_helpers.estimate) against measurements.
+"""The closed form (anatomy_helpers.prediction.estimate) against measurements.
 
 * each term of a block against the tensors a real forward saved, named by the module that saved them (saved.py);
 * each checkpointing policy's bytes per block, and the whole forward's, against a tracked real forward;
@@ -10,8 +10,10 @@
 import pytest
 import torch
 
-from anatomy_helpers.dryrun import dry_run_config
-from anatomy_helpers.estimate import (
+from anatomy_helpers.lessons.checkpointing_kept import track_kept
+from anatomy_helpers.model import GPT, ModelConfig
+from anatomy_helpers.prediction.dryrun import dry_run_config
+from anatomy_helpers.prediction.estimate import (
     activation_bytes,
     backward_moments,
     block_terms,
@@ -24,10 +26,8 @@ from anatomy_helpers.estimate import (
     parameter_bytes,
     textbook_estimates,
 )
-from anatomy_helpers.formulas import param_count
-from anatomy_helpers.lessons.checkpointing_kept import track_kept
-from anatomy_helpers.model import GPT, ModelConfig
-from anatomy_helpers.saved import first_savers
+from anatomy_helpers.prediction.formulas import param_count
+from anatomy_helpers.prediction.saved import first_savers
 from anatomy_helpers.train import make_model
 
 from .conftest import SMALL

@@ -3,7 +3,6 @@ and the two slider panels."""
 
 import torch
 
-from anatomy_helpers.allocator import allocator_at, replay, summarize_replay
 from anatomy_helpers.lessons.first_step import (
     allocator_panel,
     budget_panel,
@@ -14,7 +13,8 @@ from anatomy_helpers.lessons.first_step import (
     step_peak_table,
 )
 from anatomy_helpers.plots import CourseFigure
-from anatomy_helpers.trace import CATEGORIES
+from anatomy_helpers.prediction.allocator import allocator_at, replay, summarize_replay
+from anatomy_helpers.tracking.trace import CATEGORIES
 
 from .conftest import SMALL, make_record, storage_bytes
 

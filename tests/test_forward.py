@@ -22,7 +22,7 @@ from anatomy_helpers.lessons.forward import (
     track_forward,
 )
 from anatomy_helpers.plots import CourseFigure
-from anatomy_helpers.saved import (
+from anatomy_helpers.prediction.saved import (
     TermComparison,
     activations_by_part,
     attach_ops,

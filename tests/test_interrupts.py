@@ -18,7 +18,7 @@ import torch
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
 from anatomy_helpers.interrupts import DeferredInterrupt
-from anatomy_helpers.tracker import StepTracker
+from anatomy_helpers.tracking.tracker import StepTracker
 
 from .conftest import SMALL
 
@@ -28,8 +28,8 @@ CHILD = textwrap.dedent(
     import torch
     from torch._C._autograd import _profiler_enabled
     from anatomy_helpers import make_model, make_optimizer, track_steps
-    from anatomy_helpers.dryrun import dry_run_config
-    from anatomy_helpers.tracker import StepTracker
+    from anatomy_helpers.prediction.dryrun import dry_run_config
+    from anatomy_helpers.tracking.tracker import StepTracker
 
     torch.set_num_threads(1)
     what, trials = sys.argv[1], int(sys.argv[2])

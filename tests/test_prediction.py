@@ -10,14 +10,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.allocator import min_limit_to_pass
-from anatomy_helpers.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, get_device, gib_device
-from anatomy_helpers.dryrun import build_fake_model, course_batch, dry_run_config, gpt_loss
-from anatomy_helpers.fit import will_it_fit
-from anatomy_helpers.fixes import EFFECTS, cheapest_fix, fixes_table, step_flops
 from anatomy_helpers.lessons.prediction import DEVICE_LINE_RANGE, fit_panel, plot_fit
 from anatomy_helpers.model import GPT, ModelConfig
-from anatomy_helpers.tracker import StepTracker
+from anatomy_helpers.prediction.allocator import min_limit_to_pass
+from anatomy_helpers.prediction.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, get_device, gib_device
+from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config, gpt_loss
+from anatomy_helpers.prediction.fit import will_it_fit
+from anatomy_helpers.prediction.fixes import EFFECTS, cheapest_fix, fixes_table, step_flops
+from anatomy_helpers.tracking.tracker import StepTracker
 
 from .conftest import SMALL
 
@@ -142,7 +142,7 @@ def test_flops_need_no_recount_for_autocast_or_smaller_batches(changes):
 
 @pytest.mark.parametrize("policy", ["none", "full", "selective", "attention", "offload"])
 def test_flops_from_one_and_two_blocks_equal_the_full_count(policy):
-    from anatomy_helpers.fixes import _flops_of
+    from anatomy_helpers.prediction.fixes import _flops_of
 
     for changes in ({}, {"block": "llama", "n_kv_head": 1, "attn_impl": "sdpa", "dropout": 0.1}):
         cfg = ModelConfig(**{**SMALL, "n_layer": 5, **changes}, checkpoint=policy)
@@ -261,7 +261,7 @@ def test_fit_plot_scales_to_the_bars_and_names_the_device_lines():
 def test_this_gpu_reads_the_real_device_and_a_known_one_matches_its_table_entry():
     """On a GPU (scripts/gpu_check.py): "this GPU" is what the driver says, and where the GPU is one of DEVICES,
     the table's MiB total is within 1 % of mem_get_info's (the table is nvidia-smi's figure)."""
-    from anatomy_helpers.devices import DEVICES, this_gpu
+    from anatomy_helpers.prediction.devices import DEVICES, this_gpu
 
     dev = this_gpu()
     free, total = torch.cuda.mem_get_info()

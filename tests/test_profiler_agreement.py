@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from anatomy_helpers import StepTracker, get_batch, make_model, make_optimizer, train_step
-from anatomy_helpers.scratch import quiet_stderr
+from anatomy_helpers.tracking.scratch import quiet_stderr
 
 MODEL = dict(n_layer=3, d_model=128, n_head=4, seq_len=64)
 BATCH = 4

@@ -1,4 +1,5 @@
-"""torch.profiler's view next to the tracker: the core readers (anatomy_helpers.profiling) and lesson 07's helpers."""
+"""torch.profiler's view next to the tracker: the core readers (anatomy_helpers.tracking.profiler) and lesson 07's
+helpers."""
 
 import importlib.util
 import json
@@ -29,7 +30,7 @@ from anatomy_helpers.lessons.profiling import (
     top_ops,
     unknown_split,
 )
-from anatomy_helpers.profiling import (
+from anatomy_helpers.tracking.profiler import (
     COURSE_CATEGORY,
     PROFILER_CATEGORIES,
     ProfilerTimeline,
@@ -38,7 +39,7 @@ from anatomy_helpers.profiling import (
     quiet_profiler,
     sample_phases,
 )
-from anatomy_helpers.trace import CATEGORIES, PHASES
+from anatomy_helpers.tracking.trace import CATEGORIES, PHASES
 
 from .conftest import SMALL
 

@@ -1,4 +1,5 @@
-"""anatomy_helpers.saved and the Korthikanti terms of anatomy_helpers.formulas: what autograd saved, tensor by tensor.
+"""anatomy_helpers.prediction.saved and the Korthikanti terms of anatomy_helpers.prediction.formulas: what autograd
+saved, tensor by tensor.
 
 Expected bytes are counted by hand from the model's shapes (numel * element size), never read off the package.
 """
@@ -11,14 +12,14 @@ import pytest
 import torch
 
 from anatomy_helpers import StepTracker, get_batch, make_model, make_optimizer
-from anatomy_helpers.formulas import (
+from anatomy_helpers.prediction.formulas import (
     EXTRA_TERMS,
     KORTHIKANTI_TERMS,
     MASK_TERMS,
     korthikanti_layer_bytes,
     korthikanti_terms,
 )
-from anatomy_helpers.saved import (
+from anatomy_helpers.prediction.saved import (
     SavedRow,
     TermComparison,
     activations_by_part,
@@ -32,7 +33,7 @@ from anatomy_helpers.saved import (
     saved_rows,
     saved_table,
 )
-from anatomy_helpers.trace import SavedTensor
+from anatomy_helpers.tracking.trace import SavedTensor
 
 from .conftest import SMALL
 

@@ -15,7 +15,7 @@ from anatomy_helpers import (
     track_steps,
     train_step,
 )
-from anatomy_helpers.trace import CATEGORIES
+from anatomy_helpers.tracking.trace import CATEGORIES
 
 from .conftest import SMALL, phase_end, storage_bytes
 
@@ -318,7 +318,7 @@ def test_a_failure_while_entering_leaves_nothing_installed(small, monkeypatch, s
 
         monkeypatch.setattr(torch.nn.Module, "register_forward_hook", some_then_boom)
     elif stage == "dispatch mode":
-        from anatomy_helpers import tracker as tracker_module
+        from anatomy_helpers.tracking import tracker as tracker_module
 
         monkeypatch.setattr(tracker_module._OpWatcher, "__enter__", boom)
     with pytest.raises(RuntimeError, match="injected|hooks"):
@@ -443,7 +443,7 @@ def test_watching_makes_autograd_sum_residual_gradients_out_of_place(small):
     from torch.profiler import ProfilerActivity, profile
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from anatomy_helpers.scratch import quiet_stderr
+    from anatomy_helpers.tracking.scratch import quiet_stderr
 
     class CountAdds(TorchDispatchMode):
         adds = 0

@@ -71,7 +71,7 @@ def test_autocast_keeps_fp32_model_states_and_saves_bf16_matmul_inputs(small):
 
 
 def test_micro_batches_with_a_tracker_need_accumulate(small):
-    from anatomy_helpers.tracker import StepTracker
+    from anatomy_helpers.tracking.tracker import StepTracker
 
     model, opt = small
     plain = StepTracker(model, opt)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from anatomy_helpers.distributed import RankJob
-from anatomy_helpers.world import RankFailed, run_world
+from anatomy_helpers.distributed.ranks import RankJob
+from anatomy_helpers.distributed.world import RankFailed, run_world
 
 from .conftest import SMALL
 
@@ -109,8 +109,8 @@ def test_the_cli_refuses_a_batch_the_ranks_cannot_split_with_a_message():
 # The parent of a world, killed as a kernel restart kills it: its ranks (one hung, one waiting) must end too.
 _PARENT = textwrap.dedent(
     """
-    from anatomy_helpers.distributed import RankJob
-    from anatomy_helpers.world import run_world
+    from anatomy_helpers.distributed.ranks import RankJob
+    from anatomy_helpers.distributed.world import run_world
     run_world(RankJob("ddp", model={model!r}, fault="hang", fault_rank=1), 2, timeout_s=600)
     """
 )

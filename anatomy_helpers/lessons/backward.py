@@ -1,6 +1,6 @@
 """The backward pass, block by block: activations released, gradients appearing.
 
-The helpers here read a :class:`~anatomy_helpers.tracker.Trace` and split two of
+The helpers here read a :class:`~anatomy_helpers.tracking.tracker.Trace` and split two of
 its categories, activations and gradients, by *model part*: the embeddings, each
 transformer block (``blocks.0`` ...) and the head (final LayerNorm, LM head and
 the loss). Units are bytes everywhere unless a name says otherwise.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure, plot_timeline
-from ..trace import ACTIVATIONS, GRADIENTS, ROOT, Trace, model_part, model_parts
+from ..tracking.trace import ACTIVATIONS, GRADIENTS, ROOT, Trace, model_part, model_parts
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
 

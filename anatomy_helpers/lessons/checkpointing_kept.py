@@ -18,12 +18,20 @@ import torch.nn as nn
 
 from .. import checkpointing
 from ..data import get_batch, seed_everything
-from ..formulas import KORTHIKANTI_TERMS, korthikanti_terms
 from ..model import ModelConfig
 from ..plots import FIGURE_WIDTH_IN, CourseFigure
-from ..saved import SavedRow, TermComparison, activations_by_part, attach_ops, layer_terms, saved_by_op, saved_rows
+from ..prediction.formulas import KORTHIKANTI_TERMS, korthikanti_terms
+from ..prediction.saved import (
+    SavedRow,
+    TermComparison,
+    activations_by_part,
+    attach_ops,
+    layer_terms,
+    saved_by_op,
+    saved_rows,
+)
 from ..tables import Col, format_table
-from ..tracker import StepTracker
+from ..tracking.tracker import StepTracker
 from ..train import make_model, make_optimizer, pick_device
 from ..units import MiB, pick_unit
 

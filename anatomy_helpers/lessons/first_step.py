@@ -3,9 +3,9 @@ run can pass step 1 and fail step 2.
 
 What only this lesson uses: the step-by-step peak table, optimizer-state births, the replay summary and
 the allocator plots (segments over time, the segment map), and the notebook's two slider panels. The
-allocator simulator and its limits (:mod:`anatomy_helpers.allocator`), snapshots
-(:mod:`anatomy_helpers.snapshot`), budget runs (:mod:`anatomy_helpers.budget`) and the real GPU helpers
-(:mod:`anatomy_helpers.cuda`) are core: later lessons use them too.
+allocator simulator and its limits (:mod:`anatomy_helpers.prediction.allocator`), snapshots
+(:mod:`anatomy_helpers.prediction.snapshot`), budget runs (:mod:`anatomy_helpers.tracking.budget`) and the real GPU
+helpers (:mod:`anatomy_helpers.tracking.cuda`) are core: later lessons use them too.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -17,11 +17,11 @@ from collections.abc import Iterable
 import numpy as np
 from matplotlib.patches import Patch
 
-from ..allocator import CachingAllocatorSim, Replay, replay, summarize_replay
-from ..budget import try_budget
 from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure, plot_budget_run
+from ..prediction.allocator import CachingAllocatorSim, Replay, replay, summarize_replay
 from ..tables import Col, format_table
-from ..trace import CATEGORIES, PHASES, Trace
+from ..tracking.budget import try_budget
+from ..tracking.trace import CATEGORIES, PHASES, Trace
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
 

@@ -1,9 +1,9 @@
 """Lesson 01, the forward pass: activations pile up block by block, and how they scale.
 
 The saved-tensor tables and the term-by-term comparison with Korthikanti et al. (2022) are core
-(:mod:`anatomy_helpers.saved`, :mod:`anatomy_helpers.formulas`): the checkpointing lesson uses them too.
-What is here only lesson 01 uses: one tracked forward, block boundaries, the build-up plot, and exact
-batch / sequence-length fits. Units are bytes unless a name says otherwise.
+(:mod:`anatomy_helpers.prediction.saved`, :mod:`anatomy_helpers.prediction.formulas`): the checkpointing lesson uses
+them too. What is here only lesson 01 uses: one tracked forward, block boundaries, the build-up plot, and exact batch /
+sequence-length fits. Units are bytes unless a name says otherwise.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from ..data import get_batch
 from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure
-from ..saved import SavedRow, TermComparison, activations_by_part, distinct_bytes, first_savers, saved_rows
-from ..trace import Trace, model_part
-from ..tracker import StepTracker
+from ..prediction.saved import SavedRow, TermComparison, activations_by_part, distinct_bytes, first_savers, saved_rows
+from ..tracking.trace import Trace, model_part
+from ..tracking.tracker import StepTracker
 from ..train import make_model, make_optimizer
 from ..units import pick_unit
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure
 from ..tables import Col, format_table
 from ..tensors import storage_bytes
-from ..trace import Trace
+from ..tracking.trace import Trace
 from ..train import OPTIMIZERS, make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
 

@@ -1,6 +1,6 @@
 """Lesson 06, prediction: three ways to know a step's memory (measured, dry run, closed form) side by side, the
 textbook rules of thumb against a measured step, and the will-it-fit panel. The predictions themselves (will it
-fit, which phase runs out first, the cheapest fix) are in :mod:`anatomy_helpers.fit`, which the CLI shares.
+fit, which phase runs out first, the cheapest fix) are in :mod:`anatomy_helpers.prediction.fit`, which the CLI shares.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 from matplotlib.patches import Patch
 
-from ..dryrun import dry_run_config
-from ..estimate import estimate_step, impl_of, textbook_estimates
-from ..fit import STEP_PHASES, FitReport, describe, will_it_fit
 from ..model import ModelConfig
 from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure
+from ..prediction.dryrun import dry_run_config
+from ..prediction.estimate import estimate_step, impl_of, textbook_estimates
+from ..prediction.fit import STEP_PHASES, FitReport, describe, will_it_fit
 from ..tables import Col, format_table
-from ..trace import CATEGORIES, Trace
-from ..tracker import StepTracker
+from ..tracking.trace import CATEGORIES, Trace
+from ..tracking.tracker import StepTracker
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, format_bytes, pick_unit
 

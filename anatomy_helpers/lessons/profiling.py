@@ -4,7 +4,7 @@ What only this lesson uses: the profiled loop packaged for the exercise (:func:`
 phase (:func:`phase_ops`, :func:`top_ops`), the per-step wall-time table, the tracker-vs-profiler tables, the
 split of the profiler's unknown bytes, the memory-viz page shown inside the notebook, and the committed GPU
 reference snapshot. Reading the profiler's memory timeline into the course's types is core
-(:mod:`anatomy_helpers.profiling`).
+(:mod:`anatomy_helpers.tracking.profiler`).
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from ..data import get_batch
-from ..profiling import (
+from ..tables import Col, format_table
+from ..tracking.profiler import (
     COURSE_CATEGORY,
     STEP_PHASES,
     PhaseSpan,
@@ -36,8 +37,7 @@ from ..profiling import (
     quiet_profiler,
     sample_phases,
 )
-from ..tables import Col, format_table
-from ..trace import CATEGORIES, PHASES, Trace
+from ..tracking.trace import CATEGORIES, PHASES, Trace
 from ..units import MiB
 
 # Where scripts/record_gpu_reference.py writes its snapshot (in a clone of the repository).
@@ -54,7 +54,7 @@ PROFILER_SCRATCH = ("TEMPORARY", "AUTOGRAD_DETAIL", "UNKNOWN")
 @dataclass
 class ProfiledRun:
     """A profiled run of training steps: the profiler, its phase spans, its memory timeline and that timeline as
-    a Trace (:func:`~anatomy_helpers.profiling.profiler_trace`)."""
+    a Trace (:func:`~anatomy_helpers.tracking.profiler.profiler_trace`)."""
 
     prof: object  # torch.profiler.profile, finished
     spans: list[PhaseSpan]

@@ -1,6 +1,6 @@
 """Notebook 08: beyond one step on one device: gradient accumulation, mixed precision, and per-rank memory under
 DDP, ZeRO-1 and FSDP2 (the ranks themselves: :mod:`anatomy_helpers.distributed`; starting them and their tables:
-:mod:`anatomy_helpers.world`). Bytes unless a name says otherwise.
+:mod:`anatomy_helpers.distributed.world`). Bytes unless a name says otherwise.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed import STRATEGIES, Collective, RankJob, RankResult
+from ..distributed.ranks import STRATEGIES, Collective, RankJob, RankResult
+from ..distributed.world import format_rank_table, rank_rows, run_world, zero_model_states
 from ..plots import CourseFigure, legend_of_all, phase_legend_entries, plot_timeline
 from ..tables import Col, format_table
-from ..trace import Trace
-from ..tracker import StepTracker
+from ..tracking.trace import Trace
+from ..tracking.tracker import StepTracker
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
-from ..world import format_rank_table, rank_rows, run_world, zero_model_states
 
 # The lesson's model: small enough that five strategies on two ranks run in seconds on a laptop.
 CONFIG = dict(n_layer=2, d_model=128, n_head=4, seq_len=64)

@@ -5,7 +5,7 @@ On a GPU, ``torch.cuda.memory_reserved()`` is usually larger than
 *segments* (each one a cudaMalloc) and cuts them into *blocks* for tensors. A
 freed block goes back to the cache, not to CUDA, so the next tensor can reuse
 it without a slow cudaMalloc. This module replays the allocations and frees a
-:class:`~anatomy_helpers.tracker.Trace` recorded (on any device) through the
+:class:`~anatomy_helpers.tracking.tracker.Trace` recorded (on any device) through the
 same rules, so a learner on CPU can watch reserved vs allocated memory and the
 gap between them (``reserved - allocated``: cached but unused, i.e. fragmentation).
 
@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .checks import int_in, whole_bytes
-from .trace import PHASES, AllocationRecord
-from .units import MiB, round_up
+from ..checks import int_in, whole_bytes
+from ..tracking.trace import PHASES, AllocationRecord
+from ..units import MiB, round_up
 
 MIN_BLOCK = 512  # every block size is a multiple of this
 SMALL_REQUEST = 1 * MiB  # largest request served by the small pool

@@ -1,4 +1,4 @@
-"""What a :class:`~anatomy_helpers.tracker.StepTracker` recorded, and one way to ask it questions.
+"""What a :class:`~anatomy_helpers.tracking.tracker.StepTracker` recorded, and one way to ask it questions.
 
 A :class:`Trace` holds one *sample* per allocation or free, in order. Every question the
 lessons ask goes through its query methods, so no lesson re-implements them:
@@ -21,8 +21,10 @@ from functools import cached_property
 import numpy as np
 
 # The vocabulary lives in records.py; the names other modules reach for are re-exported here.
-from .checks import positive_int
-from .records import (  # noqa: F401  (re-exported)
+from ..checks import positive_int
+from ..tables import Col, format_table
+from ..units import MiB, round_up
+from .events import (  # noqa: F401  (re-exported)
     ACTIVATIONS,
     CATEGORIES,
     GRADIENTS,
@@ -42,14 +44,12 @@ from .records import (  # noqa: F401  (re-exported)
     model_part,
     model_parts,
 )
-from .tables import Col, format_table
-from .units import MiB, round_up
 
 # ---- the trace ----------------------------------------------------------------------------------------------
 
 
 class Trace:
-    """What a :class:`~anatomy_helpers.tracker.StepTracker` recorded. Bytes everywhere, exact on CPU.
+    """What a :class:`~anatomy_helpers.tracking.tracker.StepTracker` recorded. Bytes everywhere, exact on CPU.
 
     Per allocation id ``a``: ``alloc_category[a]`` (index into CATEGORIES) and ``alloc_module[a]`` (index into
     ``timeline.module_names``). Per timeline sample ``i``: ``alloc_ids[i]`` (which allocation changed) and

@@ -1,6 +1,7 @@
 """torch.profiler's view of a training step, in the course's terms.
 
-Thin helpers for reading what ``torch.profiler.profile`` records next to a :class:`~anatomy_helpers.trace.Trace`:
+Thin helpers for reading what ``torch.profiler.profile`` records next to a
+:class:`~anatomy_helpers.tracking.trace.Trace`:
 
 * :func:`load_memory_timeline` reads the JSON that ``prof.export_memory_timeline(path)`` writes
   (``[times, sizes]``) into a :class:`ProfilerTimeline`, its columns named by :data:`PROFILER_CATEGORIES`;

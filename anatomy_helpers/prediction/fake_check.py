@@ -43,7 +43,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .records import PHASES
+from ..tracking.events import PHASES
 
 #: The largest call (bytes of its inputs' storages and its outputs' new ones) run for real to check its fake kernel.
 MAX_CHECK_BYTES = 64 * 2**20
@@ -132,7 +132,9 @@ def _outcome(inputs: list[torch.Tensor], outputs: list) -> tuple:
 
 
 def _where() -> str:
-    from .tracker import StepTracker  # the tracker imports nothing from here; imported late to keep it that way
+    from ..tracking.tracker import (
+        StepTracker,  # the tracker imports nothing from here; imported late to keep it that way
+    )
 
     tracker = StepTracker._running
     if tracker is None:

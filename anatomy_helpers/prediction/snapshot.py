@@ -2,7 +2,7 @@
 
 PyTorch's own viewers read both: ``torch.cuda._memory_viz`` (``segsum``, ``trace``, ``trace_plot``) and
 pytorch.org/memory_viz. A replayed snapshot comes from the course's allocator simulator
-(:mod:`anatomy_helpers.allocator`), so a learner without a GPU can open the same views; it is labelled as
+(:mod:`anatomy_helpers.prediction.allocator`), so a learner without a GPU can open the same views; it is labelled as
 simulated in every frame.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..tracking.trace import CATEGORIES, AllocationRecord, Trace
 from .allocator import ROUND_LARGE, CachingAllocatorSim, allocator_at
-from .trace import CATEGORIES, AllocationRecord, Trace
 
 
 class _RecordingSim(CachingAllocatorSim):

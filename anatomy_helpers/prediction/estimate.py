@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model import ModelConfig
 from .formulas import korthikanti_layer_bytes, param_count
-from .model import ModelConfig
 
 IMPLEMENTATIONS = ("single", "foreach", "fused")  # torch's optimizer implementations (single = the for-loop)
 
@@ -119,7 +119,7 @@ def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
     """What one block saves for backward without checkpointing, by the module that saves it first (bytes).
 
     The keys are the block's submodules (``attn`` is the attention core, the block's own ops); each value counts
-    every storage once, for the first module that saves it, as :func:`anatomy_helpers.saved.saved_rows` does:
+    every storage once, for the first module that saves it, as :func:`anatomy_helpers.prediction.saved.saved_rows` does:
 
     * a norm keeps its input and mean and rstd (LayerNorm: N each, in the model's dtype on CPU) or its input,
       the normalised input and the rms (RMSNorm); each Linear keeps its input; GELU its input; SwiGLU gate, silu,

@@ -1,9 +1,9 @@
 """CUDA's rules where they differ from the CPU kernels' in memory, applied to a CPU dry run as stated corrections.
 
-A dry run (:mod:`anatomy_helpers.dryrun`) runs the CPU kernels' rules: what autograd saves, autocast's op lists,
-the attention backend. Fake CUDA tensors cannot replace it (on a CPU-only torch build, autograd on fake CUDA
-tensors aborts the process), so a prediction for a GPU takes the CPU trace and corrects it by the rules below,
-each read from torch's source (the file and function are in its docstring; torch 2.13-era main):
+A dry run (:mod:`anatomy_helpers.prediction.dryrun`) runs the CPU kernels' rules: what autograd saves, autocast's op
+lists, the attention backend. Fake CUDA tensors cannot replace it (on a CPU-only torch build, autograd on fake CUDA
+tensors aborts the process), so a prediction for a GPU takes the CPU trace and corrects it by the rules below, each read
+from torch's source (the file and function are in its docstring; torch 2.13-era main):
 
 * :func:`dropout_masks`: CUDA's fused dropout saves a bool mask (1 byte per element) where the CPU saves a noise
   tensor in the input's dtype.
@@ -29,12 +29,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .checkpointing import recomputes_blocks
+from ..checkpointing import recomputes_blocks
+from ..model import GPT, ModelConfig
+from ..tracking.events import CATEGORIES
+from ..tracking.trace import Trace
+from ..units import KiB
 from .devices import Device
-from .model import GPT, ModelConfig
-from .records import CATEGORIES
-from .trace import Trace
-from .units import KiB
 
 CPU_RULES = "CPU kernels"
 CUDA_RULES = "CUDA rules from torch source ({}), not yet checked on this GPU"

@@ -1,7 +1,7 @@
 """The step tracker's bookkeeping: every storage it has seen, its category and module, and the event list.
 
-:class:`Recorder` knows nothing of hooks; :class:`~anatomy_helpers.tracker.StepTracker` (its subclass) feeds it
-from torch's callbacks and turns what it recorded into a :class:`~anatomy_helpers.trace.Trace`.
+:class:`Recorder` knows nothing of hooks; :class:`~anatomy_helpers.tracking.tracker.StepTracker` (its subclass) feeds it
+from torch's callbacks and turns what it recorded into a :class:`~anatomy_helpers.tracking.trace.Trace`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from .records import (
+from ..tensors import optimizer_state_tensors
+from ..units import MiB
+from .events import (
     BACKWARD,
     CATEGORIES,
     FORWARD,
@@ -35,9 +37,7 @@ from .records import (
     SavedTensor,
 )
 from .scratch import splice_scratch
-from .tensors import optimizer_state_tensors
 from .trace import Trace
-from .units import MiB
 
 _now = time.perf_counter_ns
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward

@@ -1,6 +1,6 @@
 """The cheapest fix for a training step that does not fit: candidate changes, each verified by a dry run under the
-same capped allocator simulator as :func:`anatomy_helpers.fit.will_it_fit`, and ranked by whether they fit, what
-they change in training (:data:`EFFECTS`) and their extra FLOPs. Lesson 06 and the CLI's ``predict --fix``.
+same capped allocator simulator as :func:`anatomy_helpers.prediction.fit.will_it_fit`, and ranked by whether they fit,
+what they change in training (:data:`EFFECTS`) and their extra FLOPs. Lesson 06 and the CLI's ``predict --fix``.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -14,13 +14,13 @@ from dataclasses import dataclass, replace
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..model import GPT, ModelConfig
+from ..tables import Col, format_table
+from ..units import pick_unit
 from .cuda_rules import CudaRuleError
 from .devices import Device
 from .dryrun import build_fake_model, course_batch, gpt_loss
 from .fit import DryRuns, FitReport, check_request, fit_run
-from .model import GPT, ModelConfig
-from .tables import Col, format_table
-from .units import pick_unit
 
 
 @functools.lru_cache(maxsize=64)  # bounded: one entry per configuration counted, a few bytes each
@@ -120,7 +120,7 @@ def cheapest_fix(
 
     With ``micro_batches=m`` the configuration already accumulates: every candidate keeps it, and the
     accumulation candidates try 2m, 4m, ... micro-batches. A candidate whose memory on ``device`` no CUDA rule
-    states (:class:`~anatomy_helpers.cuda_rules.CudaRuleError`) is left out, not guessed.
+    states (:class:`~anatomy_helpers.prediction.cuda_rules.CudaRuleError`) is left out, not guessed.
     """
     cfg = cfg if cfg is not None else ModelConfig()
     dev = check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches)

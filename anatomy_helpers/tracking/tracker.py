@@ -41,11 +41,11 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import checkpointing
-from .checks import positive_number
-from .interrupts import DeferredInterrupt
-from .recorder import MemoryBudgetExceeded, Recorder  # noqa: F401  (MemoryBudgetExceeded: re-exported)
-from .records import (
+from .. import checkpointing
+from ..checks import positive_number
+from ..interrupts import DeferredInterrupt
+from ..tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs
+from .events import (
     ACTIVATIONS,
     BACKWARD,
     FORWARD,
@@ -58,8 +58,8 @@ from .records import (
     OPTIMIZER,
     ROOT,
 )
+from .recorder import MemoryBudgetExceeded, Recorder  # noqa: F401  (MemoryBudgetExceeded: re-exported)
 from .scratch import MemoryEvents
-from .tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs
 from .trace import Trace
 
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward

@@ -5,7 +5,7 @@
 * :func:`saved_by_op` names the autograd op behind each saved tensor (a walk of the autograd graph),
   :func:`attach_ops` merges the two;
 * :func:`compare_layer` sets one layer's measured bytes beside Korthikanti et al. (2022), term by term
-  (:mod:`anatomy_helpers.formulas`).
+  (:mod:`anatomy_helpers.prediction.formulas`).
 
 Units are bytes unless a name says otherwise.
 """
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..tables import Col, format_table
+from ..tracking.trace import HEAD, SavedTensor, Trace, model_part, model_parts
+from ..units import MiB
 from .formulas import EXTRA_TERMS, KORTHIKANTI_TERMS, korthikanti_terms
-from .tables import Col, format_table
-from .trace import HEAD, SavedTensor, Trace, model_part, model_parts
-from .units import MiB
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class OpSaved:
 
 @dataclass(frozen=True)
 class SavedRow(SavedTensor):
-    """A :class:`~anatomy_helpers.trace.SavedTensor` with its storage's first saver marked, and (after
+    """A :class:`~anatomy_helpers.tracking.trace.SavedTensor` with its storage's first saver marked, and (after
     :func:`attach_ops`) the autograd op that saved it."""
 
     first: bool = True  # the first row that saved this storage
@@ -210,7 +210,7 @@ def distinct_bytes(rows: Iterable[SavedRow], category: str | None = "activations
 
 
 def activations_by_part(rows: Iterable[SavedRow]) -> dict[str, int]:
-    """Activation bytes per part of the model (:func:`~anatomy_helpers.trace.model_part`), each storage once.
+    """Activation bytes per part of the model (:func:`~anatomy_helpers.tracking.trace.model_part`), each storage once.
 
     A storage counts for the module that saved it first (the part whose backward needs it),
     in forward order: embeddings, blocks.0 ... blocks.L-1, head (the loss included).

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .checks import positive_int
+from ..checks import positive_int
 
 if TYPE_CHECKING:  # imported for the type hint only: model.py imports this module
-    from .model import ModelConfig
+    from ..model import ModelConfig
 
 
 def param_count(cfg: ModelConfig) -> int:

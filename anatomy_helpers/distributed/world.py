@@ -3,7 +3,8 @@
 :func:`run_world` starts ``world_size`` local processes, each running ``python -m anatomy_helpers.distributed``
 (a free port on 127.0.0.1, arguments checked before anything starts, a clear error naming the rank that failed or
 hung, every process killed on the way out, and ranks that end themselves if this process dies), and returns each
-rank's :class:`~anatomy_helpers.distributed.RankResult`; :func:`worker_main` is the rank's side. :func:`rank_rows` and
+rank's :class:`~anatomy_helpers.distributed.ranks.RankResult`; :func:`worker_main` is the rank's side. :func:`rank_rows`
+and
 :func:`format_rank_table` set each rank's measured model states beside the ZeRO paper's formulas
 (:func:`zero_model_states`). Bytes unless a name says otherwise.
 """
@@ -25,8 +26,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from .checks import positive_number
-from .distributed import ZERO_STAGE, RankJob, RankResult
+from ..checks import positive_number
+from .ranks import ZERO_STAGE, RankJob, RankResult
 
 # ---- starting the ranks ---------------------------------------------------------------------------------------
 
@@ -293,7 +294,7 @@ def worker_main(tmp: str, backend: str | None) -> int:
 
     If a job fails, a note (the time, how: "raise" or "exit CODE", the traceback) is written before the process
     group goes down (which makes the other ranks fail too), so the runner can tell which rank failed first."""
-    from .distributed import _process_group, run_job
+    from .ranks import _process_group, run_job
 
     rank = os.environ["RANK"]
     _die_with_parent(tmp)
@@ -396,8 +397,8 @@ def rank_rows(results: dict[str, list[RankResult]]) -> list[RankRow]:
 def format_rank_table(rows: list[RankRow]) -> str:
     """Measured vs formula per rank: parameters, gradients, optimizer state (measured/formula, MiB), communication
     before the optimizer step and at its peak, the rank's peak (and max_memory_allocated on CUDA)."""
-    from .tables import Col, format_table
-    from .units import MiB
+    from ..tables import Col, format_table
+    from ..units import MiB
 
     cuda = any(r.max_memory_allocated is not None for r in rows)
     cols = [

@@ -1,17 +1,18 @@
 """Will a training step fit on a GPU, which phase runs out first, and the cheapest fix: all predicted on this
-machine's CPU with dry runs (:mod:`anatomy_helpers.dryrun`: the tracked step on fake tensors, exact for every
+machine's CPU with dry runs (:mod:`anatomy_helpers.prediction.dryrun`: the tracked step on fake tensors, exact for every
 category but kernel scratch), so it works for models far larger than the machine. Lesson 06 teaches it and the CLI's
-``predict`` command prints it; the ranked fixes are in :mod:`anatomy_helpers.fixes`.
+``predict`` command prints it; the ranked fixes are in :mod:`anatomy_helpers.prediction.fixes`.
 
 The devices, their memory as the driver reports it and the CUDA context's share, are in
-:mod:`anatomy_helpers.devices`. The **caching allocator** rounds requests and keeps segments, so it reserves more
-than the tensors need: we replay the dry run's allocation record through the allocator simulator
-(:func:`anatomy_helpers.allocator.replay`), a simulation of the allocator's rules, not a measurement.
+:mod:`anatomy_helpers.prediction.devices`. The **caching allocator** rounds requests and keeps segments, so it reserves
+more than the tensors need: we replay the dry run's allocation record through the allocator simulator
+(:func:`anatomy_helpers.prediction.allocator.replay`), a simulation of the allocator's rules, not a measurement.
 
 The dry run follows the CPU kernels' rules (what autograd saves, autocast's op lists). For a GPU with a known
 compute capability the phase needs are corrected by CUDA's rules from torch's source
-(:mod:`anatomy_helpers.cuda_rules`: dropout masks, cuBLAS workspaces, autocast's fp32 softmax, SDPA's backend), not
-yet checked on that GPU; a device given only by its size keeps the CPU kernels' rules. Each report says which.
+(:mod:`anatomy_helpers.prediction.cuda_rules`: dropout masks, cuBLAS workspaces, autocast's fp32 softmax, SDPA's
+backend), not yet checked on that GPU; a device given only by its size keeps the CPU kernels' rules. Each report says
+which.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -22,15 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import positive_int
+from ..model import GPT, ModelConfig
+from ..tables import Col, format_table
+from ..tracking.trace import Trace
+from ..units import pick_unit
 from .allocator import replay, replay_with_limit
-from .checks import positive_int
 from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
 from .devices import Device, get_device
 from .dryrun import dry_run_config
-from .model import GPT, ModelConfig
-from .tables import Col, format_table
-from .trace import Trace
-from .units import pick_unit
 
 #: Optimizer implementations and the (foreach, fused) flags that pick them.
 IMPLEMENTATION_FLAGS = {"single": (False, None), "foreach": (True, None), "fused": (None, True)}
@@ -138,9 +139,9 @@ def phase_needs(
 
     ``extra`` adds bytes to a phase's tensors (phase name -> category -> bytes: what gradient accumulation keeps
     alive beyond a plain step of one micro-batch, see :func:`cheapest_fix`). ``rep``: the uncapped
-    :func:`~anatomy_helpers.allocator.replay` of the trace's record, if already made. ``series``: CUDA rules'
-    corrections per sample and category (:func:`~anatomy_helpers.cuda_rules.correction_series`); the peaks are
-    then those of the corrected timeline, and the reserved bytes get the correction at that moment added.
+    :func:`~anatomy_helpers.prediction.allocator.replay` of the trace's record, if already made. ``series``: CUDA rules'
+    corrections per sample and category (:func:`~anatomy_helpers.prediction.cuda_rules.correction_series`); the peaks
+    are then those of the corrected timeline, and the reserved bytes get the correction at that moment added.
     """
     rep = replay(trace.allocation_record()) if rep is None else rep
     n0 = len(trace.baseline_ids)  # the record's first rows are the storages alive at the start
@@ -189,8 +190,8 @@ MAX_OVER_DEVICE = 1024
 
 def check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches=1) -> Device:
     """Check every argument before any work; returns the Device. ValueError names the argument and says why."""
+    from ..train import OPTIMIZERS
     from .formulas import param_count
-    from .train import OPTIMIZERS
 
     dev = get_device(device)
     if dev.usable <= 0:
@@ -247,15 +248,14 @@ def will_it_fit(
 ) -> FitReport:
     """Dry-run two steps of ``cfg``; say whether they fit on ``device`` and, if not, which phase runs out first.
 
-    ``device``: a short name (:data:`~anatomy_helpers.devices.DEVICES`: "t4", "l4", "a100-40", "a100-80", "h100",
-    "h200"), "this GPU" (CUDA only), a total in bytes, or a :class:`~anatomy_helpers.devices.Device`.
-    ``implementation`` is the optimizer's ("single", "foreach": torch's CUDA default, "fused"). Usable memory is
-    the device's minus the CUDA context's share; the verdict replays the dry run's allocations through the
-    caching-allocator simulator capped at it (see :class:`FitReport`). For a GPU named with its compute capability
-    the phase needs follow CUDA's rules (:mod:`anatomy_helpers.cuda_rules`: cuBLAS workspaces added, dropout masks
-    and autocast's softmax corrected; :class:`~anatomy_helpers.cuda_rules.CudaRuleError` where no rule is stated);
-    a device given as a size keeps the CPU kernels'. Kernel scratch (attention kernels' scratch) is in neither: keep
-    a margin.
+    ``device``: a short name (:data:`~anatomy_helpers.prediction.devices.DEVICES`: "t4", "l4", "a100-40", "a100-80",
+    "h100", "h200"), "this GPU" (CUDA only), a total in bytes, or a :class:`~anatomy_helpers.prediction.devices.Device`.
+    ``implementation`` is the optimizer's ("single", "foreach": torch's CUDA default, "fused"). Usable memory is the
+    device's minus the CUDA context's share; the verdict replays the dry run's allocations through the caching-allocator
+    simulator capped at it (see :class:`FitReport`). For a GPU named with its compute capability the phase needs follow
+    CUDA's rules (:mod:`anatomy_helpers.prediction.cuda_rules`: cuBLAS workspaces added, dropout masks and autocast's
+    softmax corrected; :class:`~anatomy_helpers.prediction.cuda_rules.CudaRuleError` where no rule is stated); a device
+    given as a size keeps the CPU kernels'. Kernel scratch (attention kernels' scratch) is in neither: keep a margin.
 
     ``micro_batches=k`` (gradient accumulation, ``batch_size`` the global batch): the dry run has no micro-batches,
     so it runs one micro-batch and adds what accumulation keeps alive, an upper bound (see :func:`fit_run`).

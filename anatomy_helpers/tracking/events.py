@@ -1,6 +1,6 @@
 """The vocabulary of a trace: memory categories, phases, the parts of the course model, and typed records.
 
-:mod:`anatomy_helpers.trace` builds on these; everything here is plain data (numpy arrays, dataclasses).
+:mod:`anatomy_helpers.tracking.trace` builds on these; everything here is plain data (numpy arrays, dataclasses).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .units import MiB
+from ..units import MiB
 
 # Lower index wins when a storage qualifies twice: a weight saved for backward
 # stays a parameter, the token ids saved by the embedding stay inputs.

@@ -1,10 +1,11 @@
 """Dry runs: the course's tracked training step on tensors that hold no data.
 
 Under torch's ``FakeTensorMode`` every op computes the shape, dtype, strides and storage size of its outputs
-and nothing else: no kernel runs, no byte of data is allocated. The :class:`~anatomy_helpers.tracker.StepTracker`
-runs on top of it unchanged (its dispatch mode sees the fake outputs, its saved-tensor hooks see what autograd
-saves, its weak references see the fake storages die), so a dry run returns the same :class:`Trace` a real run
-does, and every table and plot of the course works on it, for models far larger than the machine.
+and nothing else: no kernel runs, no byte of data is allocated. The
+:class:`~anatomy_helpers.tracking.tracker.StepTracker` runs on top of it unchanged (its dispatch mode sees the fake
+outputs, its saved-tensor hooks see what autograd saves, its weak references see the fake storages die), so a dry run
+returns the same :class:`Trace` a real run does, and every table and plot of the course works on it, for models far
+larger than the machine.
 
 How the model is made without memory: the model factory runs under ``torch.device("meta")`` (parameters with a
 shape and no storage), then :func:`fake_module` swaps every parameter and buffer for a fake tensor on the target
@@ -34,14 +35,14 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from ..checks import one_of, positive_int
+from ..interrupts import DeferredInterrupt
+from ..model import GPT, ModelConfig
+from ..tracking.trace import Trace
+from ..tracking.tracker import StepTracker
+from ..train import make_optimizer
 from . import fake_check
-from .checks import one_of, positive_int
 from .fake_check import CheckedFakeTensorMode, check_calls, op_checked
-from .interrupts import DeferredInterrupt
-from .model import GPT, ModelConfig
-from .trace import Trace
-from .tracker import StepTracker
-from .train import make_optimizer
 
 #: What a dry run guarantees, and the one category it cannot measure.
 KERNEL_SCRATCH_RULE = (

@@ -1,5 +1,5 @@
 """The GPUs a prediction can name: their memory as the driver reports it, their compute capability, and what is
-left for tensors once the CUDA context has taken its share. Used by :mod:`anatomy_helpers.fit` and the CLI.
+left for tensors once the CUDA context has taken its share. Used by :mod:`anatomy_helpers.prediction.fit` and the CLI.
 
 Capacities are the totals ``nvidia-smi`` reports (MiB of 2**20 bytes), which is what a training process can ask
 the driver for; the product pages' "16 GB" or "80 GB" are marketing figures, neither 10**9 nor 2**30 bytes
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .units import GiB, MiB
+from ..units import GiB, MiB
 
 #: Our allowance for the CUDA context: the driver's state, the kernels' code and the libraries' handles, which
 #: take GPU memory outside PyTorch's caching allocator. Neither NVIDIA nor PyTorch documents a figure per

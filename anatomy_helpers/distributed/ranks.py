@@ -6,11 +6,12 @@ untracked (optimizer state made, DDP's buckets rebuilt, FSDP's buffers allocated
 with a :class:`RankTracker` and sends back a :class:`RankResult`: its Trace, the collectives it issued, and
 torch's own figures for what it holds (local shard bytes, ``optimizer.state`` bytes).
 
-* :func:`~anatomy_helpers.world.run_world` starts ``world_size`` local processes from a notebook or a test (a
+* :func:`~anatomy_helpers.distributed.world.run_world` starts ``world_size`` local processes from a notebook or a test
+  (a
   free port on 127.0.0.1, a clear error naming the rank that failed, every process killed on the way out), and
-  :mod:`anatomy_helpers.world` also reads what they sent back into per-rank tables;
-* ``python -m anatomy_helpers.distributed`` (or ``torchrun --nproc-per-node N -m anatomy_helpers.distributed``)
-  is the same entry point: it prints the per-rank table.
+  :mod:`anatomy_helpers.distributed.world` also reads what they sent back into per-rank tables;
+* ``python -m anatomy_helpers.distributed`` (or ``torchrun --nproc-per-node N -m anatomy_helpers.distributed``,
+  see :mod:`anatomy_helpers.distributed.__main__`) is the same entry point: it prints the per-rank table.
 
 Memory that exists only for a collective is the category "communication": DDP's gradient buckets (unless the
 gradients are views of them), FSDP's all-gathered parameters and its all-gather and reduce-scatter buffers.
@@ -21,7 +22,6 @@ local shards. Bytes everywhere.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .records import COMMUNICATION, GRADIENTS, OPT_STEP, OPTIMIZER_STATE, PARAMETERS, PHASES, TEMPORARIES, Peak
-from .tensors import optimizer_state_tensors, storage_bytes
-from .trace import Trace
-from .tracker import StepTracker
+from ..tensors import optimizer_state_tensors, storage_bytes
+from ..tracking.events import COMMUNICATION, GRADIENTS, OPT_STEP, OPTIMIZER_STATE, PARAMETERS, PHASES, TEMPORARIES, Peak
+from ..tracking.trace import Trace
+from ..tracking.tracker import StepTracker
 
 STRATEGIES = {
     "ddp": "DDP (gradients copied into buckets)",
@@ -272,7 +272,7 @@ class _BufferSpy(TorchDispatchMode):
 
 def _wrap(job: RankJob, device: torch.device):
     """(module to call, course GPT, optimizer, watched storages) for ``job.strategy``."""
-    from .train import make_model, make_optimizer
+    from ..train import make_model, make_optimizer
 
     gpt = make_model(device=device, seed=0, **job.model)
     ids = [device.index] if device.type == "cuda" else None
@@ -313,7 +313,7 @@ def _fsdp_buffers(gpt) -> list[torch.Tensor]:
 
 def run_job(job: RankJob, rank: int, world_size: int, device: torch.device) -> RankResult:
     """Run ``job`` on this rank of the initialised process group and measure it."""
-    from .train import track_steps
+    from ..train import track_steps
 
     if job.fault is not None and rank == job.fault_rank:
         _fail(job.fault)
@@ -393,7 +393,7 @@ def _cdata(p: torch.Tensor) -> int:
 
 def track_steps_untracked(wrapped, opt, job: RankJob, rank: int, world_size: int) -> None:
     """``job.warmup`` plain training steps of this rank (the same loop, data and micro-batches, nothing recorded)."""
-    from .data import get_batch
+    from ..data import get_batch
 
     seq_len = getattr(wrapped, "module", wrapped).cfg.seq_len
     local = job.batch_size // world_size
@@ -429,8 +429,8 @@ def _rank_device(backend: str) -> torch.device:
 @contextlib.contextmanager
 def _process_group(backend: str | None):
     """Join the process group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment, as torchrun and
-    :func:`~anatomy_helpers.world.run_world` set them): nccl when every rank has a GPU, else gloo. Yields (rank,
-    world size, this rank's device); leaves the group whatever happens."""
+    :func:`~anatomy_helpers.distributed.world.run_world` set them): nccl when every rank has a GPU, else gloo. Yields
+    (rank, world size, this rank's device); leaves the group whatever happens."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
     torch.set_num_threads(1)
@@ -439,51 +439,3 @@ def _process_group(backend: str | None):
         yield dist.get_rank(), dist.get_world_size(), _rank_device(backend)
     finally:
         dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m anatomy_helpers.distributed",
-        description="Per-rank memory of DDP, ZeRO-1 and FSDP2 on the course GPT. Under torchrun every rank runs "
-        "here; without it, --world-size local processes are started.",
-    )
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch")
-    parser.add_argument("--micro-batches", type=int, default=1)
-    parser.add_argument("--backend", default=None)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # run_world's ranks: the folder with jobs.pkl
-    args = parser.parse_args(argv)
-    from .world import check_jobs, format_rank_table, rank_row, rank_rows, run_world, worker_main  # imports this module
-
-    if args.worker:
-        return worker_main(args.worker, args.backend)
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # under torchrun: this process is one rank
-    try:
-        jobs = [
-            RankJob(s, steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches)
-            for s in args.strategies
-        ]
-        if torchrun:
-            check_jobs(jobs, int(os.environ["WORLD_SIZE"]))
-        else:
-            results = run_world(jobs, args.world_size, backend=args.backend or "gloo")
-    except ValueError as e:  # a bad argument: a message and exit code 2, not a traceback
-        parser.error(str(e))
-    if torchrun:
-        with _process_group(args.backend) as (rank, world_size, device):
-            mine = [run_job(job, rank, world_size, device) for job in jobs]
-            gathered = [None] * world_size if rank == 0 else None
-            dist.gather_object([rank_row(r) for r in mine], gathered, dst=0)
-        if rank == 0:
-            print(format_rank_table([row for rows in zip(*gathered) for row in rows]))
-        return 0
-    print(format_rank_table(rank_rows(results)))
-    return 0
-
-
-if __name__ == "__main__":  # run through the package's module, so what is pickled names its classes there
-    from anatomy_helpers.distributed import main as _main
-
-    sys.exit(_main())
