@@ -11,6 +11,9 @@ from matplotlib.figure import Figure
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
 from anatomy_helpers.lessons.backward import (
+    KeepLoss,
+    KeepValLoss,
+    RetainGraph,
     allocation_parts,
     backward_peak_panel,
     backward_profile,
@@ -131,7 +134,7 @@ def test_set_to_none_false_keeps_gradients_and_reuses_them(small):
 
 def test_retain_graph_keeps_activations_until_the_loss_dies(small, forward_activations):
     model, opt = small
-    trace = track_steps(model, opt, steps=2, batch_size=BATCH, retain_graph=True)
+    trace = track_steps(model, opt, steps=2, batch_size=BATCH, hooks=RetainGraph())
     for step in (1, 2):
         assert phase_end(trace, step, "backward")["activations"] == forward_activations
     assert set(backward_profile(trace, 1).released_at().values()) == {None}  # no part released anything
@@ -141,7 +144,7 @@ def test_retain_graph_keeps_activations_until_the_loss_dies(small, forward_activ
 
 def test_keeping_the_loss_after_backward_costs_only_the_loss_itself(small, small_trace):
     model, opt = small
-    trace = track_steps(model, opt, steps=2, batch_size=BATCH, keep="loss")
+    trace = track_steps(model, opt, steps=2, batch_size=BATCH, hooks=KeepLoss())
     scalar = torch.zeros((), dtype=torch.float32).element_size()  # step 1's loss, still referenced
     assert trace.peak(step=2).bytes == small_trace.peak(step=2).bytes + scalar
     assert phase_end(trace, 2, "backward")["activations"] == 0
@@ -149,7 +152,7 @@ def test_keeping_the_loss_after_backward_costs_only_the_loss_itself(small, small
 
 def test_keeping_a_validation_loss_keeps_its_graph(small, forward_activations):
     model, opt = small
-    trace = track_steps(model, opt, steps=2, batch_size=BATCH, keep="val_loss")
+    trace = track_steps(model, opt, steps=2, batch_size=BATCH, hooks=KeepValLoss())
     for step in (1, 2):
         assert phase_end(trace, step, "backward")["activations"] == step * forward_activations
 

@@ -27,7 +27,6 @@ from anatomy_helpers.lessons.checkpointing import (
     recompute_bumps,
     same_gradients,
     same_memory,
-    step_flops,
     time_policies,
     with_time_ratios,
 )
@@ -44,6 +43,7 @@ from anatomy_helpers.lessons.checkpointing_kept import (
     track_kept,
 )
 from anatomy_helpers.prediction.formulas import korthikanti_layer_bytes, korthikanti_terms
+from anatomy_helpers.step import step_flops
 from anatomy_helpers.tracking.trace import CATEGORIES
 from tests.conftest import SMALL
 

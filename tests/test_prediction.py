@@ -14,9 +14,10 @@ from anatomy_helpers.lessons.prediction import DEVICE_LINE_RANGE, fit_panel, plo
 from anatomy_helpers.model import GPT, ModelConfig
 from anatomy_helpers.prediction.allocator import min_limit_to_pass
 from anatomy_helpers.prediction.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, get_device, gib_device
-from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config, gpt_loss
+from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config
 from anatomy_helpers.prediction.fit import will_it_fit
-from anatomy_helpers.prediction.fixes import EFFECTS, cheapest_fix, fixes_table, step_flops
+from anatomy_helpers.prediction.fixes import EFFECTS, cheapest_fix, config_step_flops, fixes_table
+from anatomy_helpers.step import gpt_loss
 from anatomy_helpers.tracking.tracker import StepTracker
 
 from .conftest import SMALL
@@ -135,9 +136,9 @@ def _flops_under_autocast(cfg, batch_size, dtype):
 @pytest.mark.parametrize("changes", [{}, {"attn_impl": "sdpa", "block": "llama"}])
 def test_flops_need_no_recount_for_autocast_or_smaller_batches(changes):
     cfg = ModelConfig(**SMALL, **changes)
-    base = step_flops(cfg, 4)
+    base = config_step_flops(cfg, 4)
     assert _flops_under_autocast(cfg, 4, torch.bfloat16) == _flops_under_autocast(cfg, 4, torch.float16) == base
-    assert 2 * step_flops(cfg, 2) == 4 * step_flops(cfg, 1) == base  # linear in the batch
+    assert 2 * config_step_flops(cfg, 2) == 4 * config_step_flops(cfg, 1) == base  # linear in the batch
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "selective", "attention", "offload"])
@@ -146,12 +147,12 @@ def test_flops_from_one_and_two_blocks_equal_the_full_count(policy):
 
     for changes in ({}, {"block": "llama", "n_kv_head": 1, "attn_impl": "sdpa", "dropout": 0.1}):
         cfg = ModelConfig(**{**SMALL, "n_layer": 5, **changes}, checkpoint=policy)
-        assert step_flops(cfg, 2) == _flops_of(dataclasses.astuple(cfg), 2)
+        assert config_step_flops(cfg, 2) == _flops_of(dataclasses.astuple(cfg), 2)
 
 
 def test_checkpointing_costs_flops_and_fixes_are_ranked():
     cfg = ModelConfig(**SMALL)
-    none, full = step_flops(cfg, 4), step_flops(ModelConfig(**SMALL, checkpoint="full"), 4)
+    none, full = config_step_flops(cfg, 4), config_step_flops(ModelConfig(**SMALL, checkpoint="full"), 4)
     assert 1 < full / none < 4 / 3  # recomputing the blocks' forwards: at most one more forward (1/3 of the step)
     fixes = cheapest_fix(cfg, 4, device=2 * 2**30)
     assert all(f.fits for f in fixes[:-1] if fixes[-1].fits)  # fitting candidates come first

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..step import StepPlan, run_step
 from ..tensors import optimizer_state_tensors, storage_bytes
 from ..tracking.events import COMMUNICATION, GRADIENTS, OPT_STEP, OPTIMIZER_STATE, PARAMETERS, PHASES, TEMPORARIES, Peak
 from ..tracking.trace import Trace
@@ -392,20 +393,11 @@ def _cdata(p: torch.Tensor) -> int:
 
 
 def track_steps_untracked(wrapped, opt, job: RankJob, rank: int, world_size: int) -> None:
-    """``job.warmup`` plain training steps of this rank (the same loop, data and micro-batches, nothing recorded)."""
-    from ..data import get_batch
-
-    seq_len = getattr(wrapped, "module", wrapped).cfg.seq_len
-    local = job.batch_size // world_size
-    micro = local // job.micro_batches
-    device = next(wrapped.parameters()).device
+    """``job.warmup`` plain training steps of this rank: the step the tracked steps run (same rows, micro-batches
+    and seed, :func:`~anatomy_helpers.step.run_step`) on batches 1000, 1001, ..., nothing recorded."""
+    plan = StepPlan(job.batch_size, job.micro_batches, rank=rank, world_size=world_size, seed=1, first_batch=1000)
     for i in range(job.warmup):
-        x, y = get_batch(job.batch_size, seq_len, step=1000 + i, seed=1, device=device)
-        x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
-        for j in range(0, local, micro):
-            (wrapped(x[j : j + micro], y[j : j + micro])[1] / job.micro_batches).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        run_step(wrapped, opt, plan, i)
 
 
 def _fail(how: str) -> None:

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..data import get_batch
 from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure, plot_timeline
+from ..step import StepHooks, StepPlan
 from ..tracking.trace import ACTIVATIONS, GRADIENTS, ROOT, Trace, model_part, model_parts
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
@@ -262,3 +264,40 @@ def backward_peak_panel(n_layer: int = 4, batch_size: int = 8, device=None):
         f"temporaries {b['temporaries'] / MiB:.2f} MiB"
     )
     return plot_timeline(trace, title=f"Forward and backward, {n_layer} layers, batch {batch_size}")
+
+
+# ---- three ways to keep a graph alive: the course's step with one line changed (track_steps(..., hooks=...)) ----
+
+
+class RetainGraph(StepHooks):
+    """``loss.backward(retain_graph=True)``: backward frees none of the graph's saved tensors; they die with the
+    loss, when the loop drops it at the end of the step."""
+
+    def backward(self, loss):
+        loss.backward(retain_graph=True)
+
+
+class KeepLoss(StepHooks):
+    """``losses.append(loss)``: each (micro-)batch's loss tensor, after its backward, kept in a list that lives
+    through all steps (instead of ``loss.item()``, a Python float)."""
+
+    def __init__(self):
+        self.losses: list = []
+
+    def after_backward(self, loss):
+        self.losses.append(loss)
+
+
+class KeepValLoss(StepHooks):
+    """``val_losses.append(val_loss)`` without ``torch.no_grad()``: at the start of each step a validation loss on
+    another batch (``get_batch(..., step=10_000 + step)``), never backpropagated: its whole graph stays alive."""
+
+    def __init__(self):
+        self.val_losses: list = []
+
+    def before_step(self, model, plan: StepPlan, step: int):
+        seq_len = getattr(model, "module", model).cfg.seq_len
+        device = next(model.parameters()).device
+        vx, vy = get_batch(plan.batch_size, seq_len, step=10_000 + step, seed=plan.seed, device=device)
+        self.val_losses.append(model(vx, vy)[1])  # grad mode is on: its whole graph stays alive
+        del vx, vy

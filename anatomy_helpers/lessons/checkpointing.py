@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..data import get_batch, seed_everything
 from ..plots import CourseFigure, plot_timeline
+from ..step import step_flops
 from ..tables import Col, format_table
 from ..tracking.budget import try_budget
 from ..tracking.trace import Trace
@@ -69,20 +70,6 @@ def policy_by_label(label: str, policies: list[Policy]) -> Policy:
 # ---------------------------------------------------------------------------------------------
 # FLOPs: counted, not assumed
 # ---------------------------------------------------------------------------------------------
-
-
-def step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, early_stop: bool = True) -> int:
-    """FLOPs of one forward + backward of ``model`` on ``(x, y)``, as ``FlopCounterMode`` counts them.
-
-    The counter counts matrix multiplications and attention kernels (the ops that dominate a large model's
-    compute), not element-wise ops. ``early_stop=False`` makes a checkpoint recompute its whole segment instead of
-    stopping once it has remade every tensor backward needs (``torch.utils.checkpoint.set_checkpoint_early_stop``).
-    The gradients are dropped again.
-    """
-    with set_checkpoint_early_stop(early_stop), FlopCounterMode(display=False) as counter:
-        model(x, y)[1].backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
 
 
 def forward_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, dict[str, int]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data import get_batch
+from ..step import StepHooks, StepPlan, run_step
 from ..tables import Col, format_table
 from ..tracking.profiler import (
     COURSE_CATEGORY,
@@ -62,12 +62,24 @@ class ProfiledRun:
     trace: Trace
 
 
+class RecordPhases(StepHooks):
+    """Each phase of the step inside a ``torch.profiler.record_function`` range of its name, so the profile can be
+    cut into steps and phases (:func:`~anatomy_helpers.tracking.profiler.phase_spans`)."""
+
+    def phase(self, name: str):
+        from torch.profiler import record_function
+
+        return record_function(name)
+
+
 def profile_steps(model, optimizer, steps: int = 2, batch_size: int = 8, *, seed: int = 0) -> ProfiledRun:
     """Profile ``steps`` training steps as notebook 07 does (schedule, record_function phases, memory), and read
-    the memory timeline back. Batches are those of ``track_steps`` (same ``seed``), so a tracked run of a model
-    built the same way sees the same data."""
-    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+    the memory timeline back. Each step is the course's :func:`~anatomy_helpers.step.run_step` on the batches of
+    ``track_steps`` (same ``seed``), so a tracked run of a model built the same way runs the same step on the same
+    data; the loss is not read, as notebook 07's loop does not read it."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
+    plan = StepPlan(batch_size, seed=seed, read_loss=False, hooks=RecordPhases())
     device = next(model.parameters()).device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with (
@@ -82,15 +94,7 @@ def profile_steps(model, optimizer, steps: int = 2, batch_size: int = 8, *, seed
     ):
         prof.step()  # the profiler's own warm-up, with no training in it: training step 1 is recorded
         for i in range(steps):
-            x, y = get_batch(batch_size, model.cfg.seq_len, step=i, seed=seed, device=device)
-            with record_function("forward"):
-                loss = model(x, y)[1]
-            with record_function("backward"):
-                loss.backward()
-            with record_function("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            del loss, x, y
+            run_step(model, optimizer, plan, i)
             prof.step()
     spans = phase_spans(prof)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():

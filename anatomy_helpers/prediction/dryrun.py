@@ -22,7 +22,6 @@ naming it and the module it ran in; no correction is guessed. What a dry run tha
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from torch._subclasses.fake_tensor import (
 from ..checks import one_of, positive_int
 from ..interrupts import DeferredInterrupt
 from ..model import GPT, ModelConfig
+from ..step import AUTOCAST_CHOICES, StepPlan, gpt_loss, run_step
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..train import make_optimizer
@@ -54,8 +54,6 @@ KERNEL_SCRATCH_RULE = (
     "is compared with a real run measured with StepTracker(..., kernel_scratch=False); on CPU kernel scratch is "
     "measured only by real runs (the tracker's default), on CUDA only by the allocator's own counters."
 )
-
-AUTOCAST_CHOICES = (None, "bfloat16", "float16")
 
 
 class DryRunError(ValueError):
@@ -165,11 +163,6 @@ def course_batch(batch_size: int, seq_len: int, device: str | torch.device = "cp
     return x, y
 
 
-def gpt_loss(model: nn.Module, batch) -> torch.Tensor:
-    """The course GPT's step: ``model(x, y)`` returns ``(logits, loss)``; the logits are dropped at once."""
-    return model(*batch)[1]
-
-
 def run_steps(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -182,29 +175,15 @@ def run_steps(
     kernel_scratch: bool = True,
     fake: bool = False,
 ) -> Trace:
-    """``steps`` tracked training steps of any module: the loop of ``train.track_steps``, for any model.
-
-    Step ``i`` (from 0): ``batch = batch_fn(i)``; ``loss = loss_fn(model, batch)`` (under autocast if asked;
-    it runs the model and drops what the loss does not need); ``loss.backward()``; ``optimizer.step()``;
-    ``optimizer.zero_grad(set_to_none=...)``. A real run reads ``loss.item()`` as track_steps does; a ``fake``
-    one cannot (there is no value) and skips it, which allocates nothing either way.
+    """``steps`` tracked training steps of any module: ``train.track_steps``' step
+    (:func:`~anatomy_helpers.step.run_step`), with ``batch = batch_fn(i)`` and ``loss = loss_fn(model, batch)``
+    for step ``i`` (from 0). A real run reads ``loss.item()`` as track_steps does; a ``fake`` one cannot (there is
+    no value) and skips it, which allocates nothing either way.
     """
-    device = next(model.parameters()).device
-    mixed = torch.autocast(device.type, dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext()
+    plan = StepPlan(autocast=autocast, set_to_none=set_to_none, read_loss=not fake, batch=batch_fn, loss=loss_fn)
     with StepTracker(model, optimizer, kernel_scratch=kernel_scratch) as tracker:
         for i in range(steps):
-            batch = list(batch_fn(i))
-            with mixed:
-                loss = loss_fn(model, batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=set_to_none)
-            if not fake:
-                loss.item()
-            del loss
-            for j in range(len(batch)):  # freed first to last, as track_steps' `del x, y`
-                batch[j] = None
-            del batch
+            run_step(model, optimizer, plan, i)
     return tracker.trace
 
 

@@ -12,14 +12,15 @@ import functools
 from dataclasses import dataclass, replace
 
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
+from ..checks import one_of
 from ..model import GPT, ModelConfig
+from ..step import AUTOCAST_CHOICES, step_flops
 from ..tables import Col, format_table
 from ..units import pick_unit
 from .cuda_rules import CudaRuleError
 from .devices import Device
-from .dryrun import build_fake_model, course_batch, gpt_loss
+from .dryrun import build_fake_model, course_batch
 from .fit import DryRuns, FitReport, check_request, fit_run
 
 
@@ -28,15 +29,13 @@ def _flops_of(fields: tuple, batch_size: int) -> int:
     cfg = ModelConfig(*fields)
     mode = FakeTensorMode()
     model = build_fake_model(lambda: GPT(cfg), mode)
-    with mode, FlopCounterMode(display=False) as counter:
-        loss = gpt_loss(model, course_batch(batch_size, cfg.seq_len))
-        loss.backward()
-    return int(counter.get_total_flops())
+    with mode:
+        return step_flops(model, *course_batch(batch_size, cfg.seq_len))
 
 
-def step_flops(cfg: ModelConfig, batch_size: int, autocast: str | None = None) -> int:
-    """FLOPs of one forward + backward of ``cfg`` (matrix multiplications and attention, as torch's
-    ``FlopCounterMode`` counts them), on fake tensors: checkpointing's recomputation is counted, the optimizer
+def config_step_flops(cfg: ModelConfig, batch_size: int, autocast: str | None = None) -> int:
+    """FLOPs of one forward + backward of ``cfg`` at ``batch_size``: :func:`~anatomy_helpers.step.step_flops` of
+    the model built on fake tensors (no memory, any size): checkpointing's recomputation is counted, the optimizer
     (element-wise, a few FLOPs per parameter) is not; nor are element-wise ops (what "selective" recomputes).
 
     ``autocast`` changes no count: autocast casts the inputs of the same ops, and every formula in torch's
@@ -45,8 +44,7 @@ def step_flops(cfg: ModelConfig, batch_size: int, autocast: str | None = None) -
     ``F(1) + (L - 1) * (F(2) - F(1))``, from models of one and two blocks; exact (tested against the full count).
     ``every_k`` checkpointing groups blocks into segments, so it is counted whole.
     """
-    if autocast not in (None, "bfloat16", "float16"):
-        raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
+    one_of("autocast", autocast, AUTOCAST_CHOICES)
     if cfg.n_layer <= 2 or cfg.checkpoint == "every_k":
         return _flops_of(dataclasses.astuple(cfg), batch_size)
     one, two = (_flops_of(dataclasses.astuple(replace(cfg, n_layer=n)), batch_size) for n in (1, 2))
@@ -126,13 +124,13 @@ def cheapest_fix(
     dev = check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches)
     m, runs = micro_batches, DryRuns()
     kw = dict(optimizer=optimizer, implementation=implementation, autocast=autocast)
-    base_flops = step_flops(cfg, batch_size)
+    base_flops = config_step_flops(cfg, batch_size)
     fixes = []
 
     def candidate(name, effect, note, new_cfg=cfg, b=batch_size, micro=m, flops=None, **over):
         run = {**kw, **over}
         report = fit_run(runs, new_cfg, b, run["optimizer"], run["implementation"], run["autocast"], dev, micro)
-        flops = step_flops(new_cfg, b) * batch_size // b if flops is None else flops  # per global batch
+        flops = config_step_flops(new_cfg, b) * batch_size // b if flops is None else flops  # per global batch
         return Fix(name, report, flops / base_flops - 1, effect, note, micro)
 
     def add(*args, **kwargs):

@@ -1,0 +1,208 @@
+"""One training step, written once: what it does (:class:`StepPlan`), where a lesson may change it
+(:class:`StepHooks`), and :func:`run_step`, which runs it.
+
+Every loop of the course runs its steps through :func:`run_step`: ``train.track_steps`` (inside a StepTracker),
+the dry run (``prediction/dryrun.py``, on fake tensors), each data-parallel rank (its untracked warm-up and its
+tracked steps, ``distributed/ranks.py``) and the profiled loop of lesson 07. So a dry run allocates what a real run
+allocates because it *is* the same code, not a copy kept in step. Also here: :func:`step_flops`, the FLOPs of one
+forward and backward as torch's ``FlopCounterMode`` counts them.
+
+Bytes everywhere unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
+
+from .checks import int_in, one_of, optional_callable, positive_int
+from .data import SEED_LIMIT, get_batch
+
+AUTOCAST_CHOICES = (None, "bfloat16", "float16")
+
+
+def gpt_loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The course GPT's loss: ``model(x, y)`` returns ``(logits, loss)``; the logits are dropped at once, so only
+    what autograd saved stays."""
+    return model(*batch)[1]
+
+
+class StepHooks:
+    """Where a lesson changes a step without copying it: each method does what the plain step does, and a lesson
+    overrides the one its lesson is about (lesson 02 keeps graphs alive, lesson 07 marks phases for the profiler).
+
+    ``phase(name)`` is a context around each phase ("forward", "backward", "optimizer"); ``backward(loss)``
+    backpropagates one (micro-)batch's loss (already scaled under a GradScaler); ``after_backward(loss)`` sees the
+    unscaled loss after its backward; ``before_step(model, plan, step)`` runs before the step fetches its batch.
+    """
+
+    def before_step(self, model: nn.Module, plan: StepPlan, step: int) -> None:
+        pass
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def after_backward(self, loss: torch.Tensor) -> None:
+        pass
+
+
+NO_HOOKS = StepHooks()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one training step does; checked once, when the plan is made (ValueError naming the field).
+
+    Step ``i`` (from 0) trains on batch ``first_batch + i``: ``get_batch(batch_size, seq_len, step=first_batch + i,
+    seed=seed)`` of the course text, or ``batch(first_batch + i)`` (a sequence of tensors, e.g. fake ones for a dry
+    run). ``world_size > 1``: data parallelism, this process is rank ``rank`` and trains rows ``rank * b`` to
+    ``(rank + 1) * b - 1`` of each global batch (``b = rows // world_size``), copied out as a data loader would hand
+    them over. ``micro_batches=k`` accumulates gradients: the rows are split into k micro-batches (views), each
+    runs forward and backward with its loss divided by k (the gradients are the global batch's mean), then one
+    optimizer step. ``autocast`` ("bfloat16", or "float16" on CUDA) runs forward and loss under ``torch.autocast``.
+    ``optimizer_step=False`` stops after backward (gradients kept, no optimizer phase). ``read_loss``: read the
+    loss value (``.item()``, which allocates nothing); a dry run cannot, its tensors hold no values.
+    """
+
+    batch_size: int = 8  # rows of the global batch (all ranks, all micro-batches) of the course batches
+    micro_batches: int = 1
+    autocast: str | None = None
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    first_batch: int = 0
+    set_to_none: bool = True
+    optimizer_step: bool = True
+    read_loss: bool = True
+    batch: Callable[[int], Sequence[torch.Tensor]] | None = None  # None: the course batches (get_batch)
+    loss: Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor] = gpt_loss
+    hooks: StepHooks = NO_HOOKS
+
+    def __post_init__(self):
+        positive_int("batch_size", self.batch_size)
+        positive_int("micro_batches", self.micro_batches)
+        one_of("autocast", self.autocast, AUTOCAST_CHOICES)
+        positive_int("world_size", self.world_size)
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank must be in [0, world_size), got rank {self.rank!r} of world_size {self.world_size!r}"
+            )
+        int_in("seed", self.seed, 0, SEED_LIMIT, "2**32")
+        int_in("first_batch", self.first_batch, 0, SEED_LIMIT, "2**32")
+        for name in ("set_to_none", "optimizer_step", "read_loss"):
+            one_of(name, getattr(self, name), (True, False))
+        optional_callable("batch", self.batch)
+        if not callable(self.loss):
+            raise ValueError(f"loss must be a function (model, batch) -> loss, got {self.loss!r}")
+        if not isinstance(self.hooks, StepHooks):
+            raise ValueError(f"hooks must be a StepHooks, got {type(self.hooks).__name__}")
+        if self.batch is None and self.batch_size % (self.micro_batches * self.world_size):
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batches x world_size "
+                f"({self.micro_batches} x {self.world_size})"
+            )
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
+        """The GradScaler fp16 needs on CUDA (its narrow exponent range loses small gradients: the loss is scaled
+        up, the gradients unscaled before the step); None otherwise (bf16 has fp32's range)."""
+        return torch.amp.GradScaler(device.type) if self.autocast == "float16" and device.type == "cuda" else None
+
+
+def _rows(plan: StepPlan, model: nn.Module, step: int, device: torch.device) -> list[torch.Tensor]:
+    """Step ``step``'s batch, this rank's rows only, in a list that :func:`run_step` empties to free it."""
+    index = plan.first_batch + step
+    if plan.batch is not None:
+        batch = list(plan.batch(index))
+    else:
+        seq_len = getattr(model, "module", model).cfg.seq_len  # a DDP wrapper holds the GPT as .module
+        batch = list(get_batch(plan.batch_size, seq_len, step=index, seed=plan.seed, device=device))
+    split = plan.micro_batches * plan.world_size
+    if split > 1 and batch[0].shape[0] % split:
+        raise ValueError(
+            f"the batch has {batch[0].shape[0]} rows, not a multiple of micro_batches x world_size "
+            f"({plan.micro_batches} x {plan.world_size})"
+        )
+    if plan.world_size > 1:
+        local = batch[0].shape[0] // plan.world_size
+        mine = [t[plan.rank * local : (plan.rank + 1) * local].clone() for t in batch]
+        for j in range(len(batch)):  # the global batch freed first to last once this rank's copies exist
+            batch[j] = mine[j]
+        del mine
+    return batch
+
+
+def run_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: StepPlan,
+    step: int,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+) -> float | None:
+    """Run training step ``step`` (from 0) of ``plan``; returns the loss (None unless ``plan.read_loss``).
+
+    The course's one step: ``hooks.before_step``; the batch; for each micro-batch ``loss = plan.loss(model,
+    batch)`` (under autocast if planned), ``hooks.backward(loss)`` (``loss.backward()``, scaled by ``scaler`` if
+    given); then ``optimizer.step()`` (``scaler.step`` and ``scaler.update``) and
+    ``optimizer.zero_grad(set_to_none=...)``. With one micro-batch the loss lives until after the optimizer step;
+    with several, each micro-batch's loss dies after its backward. The batch is freed last, first tensor first.
+    ``model`` may be a wrapper (DDP) whose ``.module`` is the course GPT.
+    """
+    hooks, k = plan.hooks, plan.micro_batches
+    device = next(model.parameters()).device
+    hooks.before_step(model, plan, step)
+    batch = _rows(plan, model, step, device)
+    rows = batch[0].shape[0] // k if k > 1 else None
+    parts: list[float | None] = []  # each micro-batch's loss, read at once so the tensor can die
+    for j in range(k):
+        part = batch if k == 1 else [t[j * rows : (j + 1) * rows] for t in batch]  # views: no copy
+        mixed = torch.autocast(device.type, dtype=getattr(torch, plan.autocast)) if plan.autocast else None
+        with hooks.phase("forward"), mixed or contextlib.nullcontext():
+            loss = plan.loss(model, part) if k == 1 else plan.loss(model, part) / k
+        del part
+        with hooks.phase("backward"):
+            hooks.backward(loss if scaler is None else scaler.scale(loss))
+        hooks.after_backward(loss)
+        if k > 1:
+            parts.append(loss.item() if plan.read_loss else None)
+            del loss
+    if plan.optimizer_step:
+        with hooks.phase("optimizer"):
+            if scaler is None:
+                optimizer.step()
+            else:  # skips the step if a gradient overflowed, then adapts the scale
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad(set_to_none=plan.set_to_none)
+    value = None
+    if plan.read_loss:
+        value = sum(parts) if k > 1 else loss.item()
+    if k == 1:
+        del loss
+    for j in range(len(batch)):  # freed first to last; the next batch should not overlap with this one
+        batch[j] = None
+    return value
+
+
+def step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, early_stop: bool = True) -> int:
+    """FLOPs of one forward + backward of ``model`` on ``(x, y)``, as torch's ``FlopCounterMode`` counts them.
+
+    The counter counts matrix multiplications and attention kernels (the ops that dominate a large model's
+    compute), not element-wise ops, and reads shapes only, so fake tensors count the same as real ones.
+    Checkpointing's recomputation is counted; the optimizer is not. ``early_stop=False`` makes a checkpoint
+    recompute its whole segment instead of stopping once it has remade every tensor backward needs
+    (``torch.utils.checkpoint.set_checkpoint_early_stop``; True is torch's default). The gradients are dropped again.
+    """
+    with set_checkpoint_early_stop(early_stop), FlopCounterMode(display=False) as counter:
+        gpt_loss(model, (x, y)).backward()
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
