@@ -8,36 +8,38 @@ answer, ``--fix`` for the ranked candidate fixes).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import torch
 from matplotlib.backend_bases import FigureCanvasBase
 
+from .checks import int_in, positive_int, positive_number
 from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
 from .plots import plot_timeline
 from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+def _argument(parse, check, what: str):
+    """An argparse ``type``: ``parse`` the text (``what`` is expected), then ``check`` the value (checks.py says
+    why it is refused)."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        try:
+            return check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("the value ")) from None
+
+    return convert
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
-    return value
+_positive_int = _argument(int, lambda v: positive_int("the value", v), "a whole number")
+_seed = _argument(int, lambda v: int_in("the value", v, 0, 2**32, "2**32"), "a whole number")
+_positive_gib = _argument(float, lambda v: positive_number("the value", v), "a number of GiB")
 
 
 def _check_out_path(out: str) -> None:
@@ -78,16 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="timeline.png", help="file for the timeline plot; .png, .svg, .pdf ... (default: timeline.png)"
     )
     return p
-
-
-def _positive_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text!r}")
-    return value
 
 
 def build_predict_parser() -> argparse.ArgumentParser:
@@ -165,7 +157,7 @@ def predict_main(argv: list[str]) -> int:
     import json
 
     from .prediction.devices import DEVICES, gib_device
-    from .prediction.fit import check_request, will_it_fit
+    from .prediction.fit import FitRequest, will_it_fit
     from .prediction.fixes import cheapest_fix, fixes_table
 
     parser = build_predict_parser()
@@ -174,7 +166,7 @@ def predict_main(argv: list[str]) -> int:
         cfg = _predict_config(args)
         device = DEVICES[args.gpu] if args.gpu_gib is None else gib_device(args.gpu_gib)
         kw = dict(optimizer=args.optimizer, implementation=args.impl, autocast=args.autocast, device=device)
-        check_request(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
+        FitRequest(cfg, args.batch_size, micro_batches=args.micro_batches, **kw).check()
     except ValueError as e:
         parser.error(str(e))
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
