@@ -8,36 +8,38 @@ answer, ``--fix`` for the ranked candidate fixes).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import torch
 from matplotlib.backend_bases import FigureCanvasBase
 
+from .checks import int_in, positive_int, positive_number
 from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
 from .plots import plot_timeline
 from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+def _argument(parse, check, what: str):
+    """An argparse ``type``: ``parse`` the text (``what`` is expected), then ``check`` the value (checks.py says
+    why it is refused)."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        try:
+            return check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("the value ")) from None
+
+    return convert
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
-    return value
+_positive_int = _argument(int, lambda v: positive_int("the value", v), "a whole number")
+_seed = _argument(int, lambda v: int_in("the value", v, 0, 2**32, "2**32"), "a whole number")
+_positive_gib = _argument(float, lambda v: positive_number("the value", v), "a number of GiB")
 
 
 def _check_out_path(out: str) -> None:
@@ -55,24 +57,30 @@ def _check_out_path(out: str) -> None:
         raise ValueError(f"--out {out!r}: {problem}; use one of {', '.join('.' + f for f in sorted(formats))}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_step_options(p: argparse.ArgumentParser, layers_help: str = "transformer blocks") -> None:
+    """The options both commands share: the model's sizes, its attention, dtype and dropout, the batch and the
+    optimizer (defaults: ModelConfig's)."""
     d = ModelConfig()
+    p.add_argument("--layers", type=_positive_int, default=d.n_layer, help=f"{layers_help} (default: {d.n_layer})")
+    p.add_argument("--d-model", type=_positive_int, default=d.d_model, help=f"hidden size (default: {d.d_model})")
+    p.add_argument("--heads", type=_positive_int, default=d.n_head, help=f"attention heads (default: {d.n_head})")
+    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help=f"sequence length (default: {d.seq_len})")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per optimizer step (default: 8)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
+    p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
+    p.add_argument("--dropout", type=float, default=d.dropout, help=f"dropout probability (default: {d.dropout})")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m anatomy_helpers",
         description="Track N training steps of the course's toy transformer and print where the memory went "
         "(a phase x category table in MiB, the peak and the module it happened in), then save the timeline plot.",
     )
+    _add_step_options(p)
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps to track (default: 3)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA if available, else CPU)")
-    p.add_argument("--layers", type=_positive_int, default=d.n_layer, help=f"transformer blocks (default: {d.n_layer})")
-    p.add_argument("--d-model", type=_positive_int, default=d.d_model, help=f"hidden size (default: {d.d_model})")
-    p.add_argument("--heads", type=_positive_int, default=d.n_head, help=f"attention heads (default: {d.n_head})")
-    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help=f"sequence length (default: {d.seq_len})")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per batch (default: 8)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
-    p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
-    p.add_argument("--dropout", type=float, default=d.dropout, help=f"dropout probability (default: {d.dropout})")
     p.add_argument("--seed", type=_seed, default=0, help="seed for weights and batches, in [0, 2**32) (default: 0)")
     p.add_argument(
         "--out", default="timeline.png", help="file for the timeline plot; .png, .svg, .pdf ... (default: timeline.png)"
@@ -80,20 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text!r}")
-    return value
-
-
 def build_predict_parser() -> argparse.ArgumentParser:
     from .checkpointing import CHECKPOINT_POLICIES
     from .prediction.devices import DEVICES
     from .prediction.fit import IMPLEMENTATION_FLAGS, MAX_LAYERS
+    from .step import AUTOCAST_CHOICES
 
     d = ModelConfig()
     p = argparse.ArgumentParser(
@@ -102,30 +101,20 @@ def build_predict_parser() -> argparse.ArgumentParser:
         "GPU, and if not, which phase of which step runs out first.",
     )
     p.add_argument("--block", choices=("gpt2", "llama"), default="gpt2", help="block (default: gpt2)")
-    p.add_argument(
-        "--layers", type=_positive_int, default=d.n_layer, help=f"transformer blocks, at most {MAX_LAYERS} "
-        f"(default: {d.n_layer})"
-    )  # fmt: skip
-    p.add_argument("--d-model", type=_positive_int, default=d.d_model, help=f"hidden size (default: {d.d_model})")
-    p.add_argument("--heads", type=_positive_int, default=d.n_head, help=f"attention heads (default: {d.n_head})")
+    _add_step_options(p, f"transformer blocks, at most {MAX_LAYERS}")
     p.add_argument("--kv-heads", type=_positive_int, default=None, help="llama: key/value heads (default: heads)")
     p.add_argument(
         "--mlp-ratio", type=_positive_int, default=d.mlp_ratio, help=f"MLP width / hidden size (default: {d.mlp_ratio})"
     )
     p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
-    p.add_argument("--dropout", type=float, default=d.dropout, help=f"dropout probability (default: {d.dropout})")
-    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help=f"sequence length (default: {d.seq_len})")
     p.add_argument("--vocab", type=_positive_int, default=d.vocab_size, help=f"vocabulary (default: {d.vocab_size})")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per optimizer step (default: 8)")
     p.add_argument(
         "--micro-batches", type=_positive_int, default=1, help="gradient accumulation: micro-batches per step, "
         "dividing --batch-size (default: 1)"
     )  # fmt: skip
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
     p.add_argument("--impl", choices=tuple(IMPLEMENTATION_FLAGS), default="foreach", help="(default: foreach)")
-    p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
-    p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None, help="mixed precision (default: off)")
+    autocasts = tuple(c for c in AUTOCAST_CHOICES if c is not None)
+    p.add_argument("--autocast", choices=autocasts, default=None, help="mixed precision (default: off)")
     p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default="none", help="(default: none)")
     p.add_argument(
         "--checkpoint-every", type=_positive_int, default=None, help="with --checkpoint every_k: blocks per "
@@ -165,7 +154,7 @@ def predict_main(argv: list[str]) -> int:
     import json
 
     from .prediction.devices import DEVICES, gib_device
-    from .prediction.fit import check_request, will_it_fit
+    from .prediction.fit import FitRequest, will_it_fit
     from .prediction.fixes import cheapest_fix, fixes_table
 
     parser = build_predict_parser()
@@ -174,7 +163,7 @@ def predict_main(argv: list[str]) -> int:
         cfg = _predict_config(args)
         device = DEVICES[args.gpu] if args.gpu_gib is None else gib_device(args.gpu_gib)
         kw = dict(optimizer=args.optimizer, implementation=args.impl, autocast=args.autocast, device=device)
-        check_request(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
+        FitRequest(cfg, args.batch_size, micro_batches=args.micro_batches, **kw).check()
     except ValueError as e:
         parser.error(str(e))
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)

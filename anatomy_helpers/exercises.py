@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "x": 1, "count": 1}
+from .units import GiB, KiB, MiB
+
+UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "x": 1, "count": 1}
 
 
 @dataclass

@@ -15,7 +15,7 @@ from anatomy_helpers.model import GPT, ModelConfig
 from anatomy_helpers.prediction.allocator import min_limit_to_pass
 from anatomy_helpers.prediction.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, get_device, gib_device
 from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config
-from anatomy_helpers.prediction.fit import will_it_fit
+from anatomy_helpers.prediction.fit import FitRequest, will_it_fit
 from anatomy_helpers.prediction.fixes import EFFECTS, cheapest_fix, config_step_flops, fixes_table
 from anatomy_helpers.step import gpt_loss
 from anatomy_helpers.tracking.tracker import StepTracker
@@ -272,3 +272,17 @@ def test_this_gpu_reads_the_real_device_and_a_known_one_matches_its_table_entry(
     if same_kind:
         print("table:", ", ".join(f"{e.name} {e.total / 2**20:,.0f} MiB" for e in same_kind))
         assert any(abs(e.total - total) <= 0.01 * total and e.capability == dev.capability for e in same_kind)
+
+
+def test_a_fit_request_is_checked_once_for_both_questions():
+    cfg = ModelConfig(**SMALL)
+    request = FitRequest(cfg, 8, optimizer="sgd", micro_batches=2)
+    assert "b=4 " in request.label() and request.label().endswith("sgd (foreach) x 2 micro-batches")  # 8 rows in 2 passes
+    assert "b=8 " in request.but(micro_batches=1).label() and request.but(micro_batches=1).label().endswith("sgd (foreach)")
+    for bad, named in ((dict(autocast="fp8"), "autocast"), (dict(implementation="loop"), "implementation")):
+        with pytest.raises(ValueError, match=named):
+            will_it_fit(cfg, 8, **bad)
+        with pytest.raises(ValueError, match=named):
+            cheapest_fix(cfg, 8, **bad)
+    with pytest.raises(TypeError, match="gpu"):  # a misspelt option is not silently ignored
+        will_it_fit(cfg, 8, gpu="t4")

@@ -19,11 +19,11 @@ Bytes everywhere unless a name says otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field, replace
 
 import torch
 
-from ..checks import positive_int
+from ..checks import one_of, positive_int
 from ..model import GPT, ModelConfig
 from ..tables import Col, format_table
 from ..tracking.trace import Trace
@@ -188,41 +188,62 @@ MAX_LAYERS = 1024
 MAX_OVER_DEVICE = 1024
 
 
-def check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches=1) -> Device:
-    """Check every argument before any work; returns the Device. ValueError names the argument and says why."""
-    from ..train import OPTIMIZERS
-    from .formulas import param_count
+@dataclass(frozen=True)
+class FitRequest:
+    """One training configuration asked about: what :func:`will_it_fit` and
+    :func:`~anatomy_helpers.prediction.fixes.cheapest_fix` take (their keyword options are these fields)."""
 
-    dev = get_device(device)
-    if dev.usable <= 0:
-        raise ValueError(
-            f"device {dev.name} has no memory left once the {dev.context_note()} takes {size_text(dev.context)}"
-        )
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    positive_int("batch_size", batch_size)
-    positive_int("micro_batches", micro_batches)
-    if batch_size % micro_batches:
-        raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches})")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    if implementation not in IMPLEMENTATION_FLAGS:
-        raise ValueError(f"implementation must be one of {tuple(IMPLEMENTATION_FLAGS)}, got {implementation!r}")
-    if autocast not in (None, "bfloat16", "float16"):
-        raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
-    if cfg.n_layer > MAX_LAYERS:
-        raise ValueError(
-            f"n_layer must be at most {MAX_LAYERS} for a dry run (it replays every layer), got {cfg.n_layer}"
-        )
-    element = cfg.torch_dtype.itemsize
-    least = (param_count(cfg) + batch_size * cfg.seq_len * cfg.vocab_size) * element  # parameters + logits
-    if least > MAX_OVER_DEVICE * dev.total:
-        raise ValueError(
-            f"{describe(cfg, batch_size, optimizer, implementation, autocast)} needs at least {size_text(least)} "
-            f"for its parameters and logits alone, over {MAX_OVER_DEVICE} times the {size_text(dev.total)} of "
-            f"{dev.name}: it cannot fit, and no dry run is needed to say so"
-        )
-    return dev
+    cfg: ModelConfig = field(default_factory=ModelConfig)
+    batch_size: int = 8  # the global batch, in sequences
+    optimizer: str = "adamw"  # one of train.OPTIMIZERS
+    implementation: str = "foreach"  # the optimizer's: "single", "foreach" (torch's CUDA default), "fused"
+    autocast: str | None = None  # None, "bfloat16" or "float16"
+    device: str | int | Device = "t4"  # a short name, "this GPU", a total in bytes, or a Device
+    micro_batches: int = 1  # gradient accumulation: batch_size // micro_batches sequences per forward
+
+    def but(self, **changes) -> FitRequest:
+        """The same request with ``changes`` (field name -> value)."""
+        return replace(self, **changes)
+
+    def label(self) -> str:
+        """What the request runs, in words (the device aside)."""
+        b = self.batch_size // self.micro_batches
+        text = describe(self.cfg, b, self.optimizer, self.implementation, self.autocast)
+        return text + (f" x {self.micro_batches} micro-batches" if self.micro_batches > 1 else "")
+
+    def check(self) -> Device:
+        """Check every field before any work; returns the Device. ValueError names the field and says why."""
+        from ..step import AUTOCAST_CHOICES
+        from ..train import OPTIMIZERS
+        from .formulas import param_count
+
+        cfg, batch_size = self.cfg, self.batch_size
+        dev = get_device(self.device)
+        if dev.usable <= 0:
+            raise ValueError(
+                f"device {dev.name} has no memory left once the {dev.context_note()} takes {size_text(dev.context)}"
+            )
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        positive_int("batch_size", batch_size)
+        positive_int("micro_batches", self.micro_batches)
+        if batch_size % self.micro_batches:
+            raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({self.micro_batches})")
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("implementation", self.implementation, IMPLEMENTATION_FLAGS)
+        one_of("autocast", self.autocast, AUTOCAST_CHOICES)
+        if cfg.n_layer > MAX_LAYERS:
+            raise ValueError(
+                f"n_layer must be at most {MAX_LAYERS} for a dry run (it replays every layer), got {cfg.n_layer}"
+            )
+        least = (param_count(cfg) + batch_size * cfg.seq_len * cfg.vocab_size) * cfg.torch_dtype.itemsize
+        if least > MAX_OVER_DEVICE * dev.total:  # parameters + logits alone
+            raise ValueError(
+                f"{describe(cfg, batch_size, self.optimizer, self.implementation, self.autocast)} needs at least "
+                f"{size_text(least)} for its parameters and logits alone, over {MAX_OVER_DEVICE} times the "
+                f"{size_text(dev.total)} of {dev.name}: it cannot fit, and no dry run is needed to say so"
+            )
+        return dev
 
 
 def precision_note(cfg: ModelConfig, autocast: str | None, device: Device) -> str:
@@ -236,17 +257,11 @@ def precision_note(cfg: ModelConfig, autocast: str | None, device: Device) -> st
     return ""
 
 
-def will_it_fit(
-    cfg: ModelConfig | None = None,
-    batch_size: int = 8,
-    *,
-    optimizer: str = "adamw",
-    implementation: str = "foreach",
-    autocast: str | None = None,
-    device: str | int | Device = "t4",
-    micro_batches: int = 1,
-) -> FitReport:
+def will_it_fit(cfg: ModelConfig | None = None, batch_size: int = 8, **options) -> FitReport:
     """Dry-run two steps of ``cfg``; say whether they fit on ``device`` and, if not, which phase runs out first.
+
+    ``options``: the other fields of :class:`FitRequest` (``optimizer``, ``implementation``, ``autocast``,
+    ``device``, ``micro_batches``), by keyword.
 
     ``device``: a short name (:data:`~anatomy_helpers.prediction.devices.DEVICES`: "t4", "l4", "a100-40", "a100-80",
     "h100", "h200"), "this GPU" (CUDA only), a total in bytes, or a :class:`~anatomy_helpers.prediction.devices.Device`.
@@ -260,10 +275,9 @@ def will_it_fit(
     ``micro_batches=k`` (gradient accumulation, ``batch_size`` the global batch): the dry run has no micro-batches,
     so it runs one micro-batch and adds what accumulation keeps alive, an upper bound (see :func:`fit_run`).
     """
-    cfg = cfg if cfg is not None else ModelConfig()
-    dev = check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches)
-    note = precision_note(cfg, autocast, dev)
-    return fit_run(DryRuns(), cfg, batch_size, optimizer, implementation, autocast, dev, micro_batches, note)
+    request = FitRequest(cfg if cfg is not None else ModelConfig(), batch_size, **options)
+    dev = request.check()
+    return fit_run(DryRuns(), request, dev, precision_note(request.cfg, request.autocast, dev))
 
 
 class DryRuns:
@@ -274,7 +288,7 @@ class DryRuns:
         self._done: dict[tuple, tuple] = {}
 
     def get(self, cfg: ModelConfig, batch_size: int, optimizer: str, implementation: str, autocast: str | None):
-        key = (repr(cfg), batch_size, optimizer, implementation, autocast)
+        key = (astuple(cfg), batch_size, optimizer, implementation, autocast)
         if key not in self._done:
             foreach, fused = IMPLEMENTATION_FLAGS[implementation]
             trace = dry_run_config(
@@ -291,8 +305,8 @@ def gradient_bytes(cfg: ModelConfig) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def fit_run(runs, cfg, batch_size, optimizer, implementation, autocast, dev, micro_batches=1, note="") -> FitReport:
-    """The :class:`FitReport` of one configuration on ``dev``, from ``runs`` (a :class:`DryRuns`).
+def fit_run(runs: DryRuns, request: FitRequest, dev: Device, note: str = "") -> FitReport:
+    """The :class:`FitReport` of ``request`` on ``dev`` (its checked device), from ``runs``.
 
     ``micro_batches=k``: the dry run of one micro-batch (``batch_size // k`` rows), with the whole gradients added to
     its forward and backward and the rest of the global batch's inputs (``track_steps`` slices micro-batches out of
@@ -300,12 +314,12 @@ def fit_run(runs, cfg, batch_size, optimizer, implementation, autocast, dev, mic
     the accumulated gradients are alive throughout; tests/test_prediction.py checks it against
     ``track_steps(micro_batches=k)``).
     """
-    b = batch_size // micro_batches
-    trace, rep = runs.get(cfg, b, optimizer, implementation, autocast)
+    cfg, autocast, micro_batches = request.cfg, request.autocast, request.micro_batches
+    b = request.batch_size // micro_batches
+    trace, rep = runs.get(cfg, b, request.optimizer, request.implementation, autocast)
     grads = gradient_bytes(cfg) if micro_batches > 1 else 0
-    inputs = 2 * 8 * cfg.seq_len * (batch_size - b)  # x and y (int64) of the rest of the global batch
-    suffix = f" x {micro_batches} micro-batches" if micro_batches > 1 else ""
-    label = describe(cfg, b, optimizer, implementation, autocast) + suffix
+    inputs = 2 * 8 * cfg.seq_len * (request.batch_size - b)  # x and y (int64) of the rest of the global batch
+    label = request.label()
     both = {"gradients": grads, "inputs": inputs}
     extra = {"forward": both, "backward": both, "optimizer": {"inputs": inputs}}
     limit = dev.usable - grads - inputs

@@ -21,7 +21,7 @@ from ..units import pick_unit
 from .cuda_rules import CudaRuleError
 from .devices import Device
 from .dryrun import build_fake_model, course_batch
-from .fit import DryRuns, FitReport, check_request, fit_run
+from .fit import DryRuns, FitReport, FitRequest, fit_run
 
 
 @functools.lru_cache(maxsize=64)  # bounded: one entry per configuration counted, a few bytes each
@@ -84,19 +84,11 @@ def _fix_sort_key(fix: Fix):
     return (not fix.fits, EFFECTS.index(fix.effect), flops, fix.micro_batches, fix.report.peak.tensors)
 
 
-def cheapest_fix(
-    cfg: ModelConfig | None = None,
-    batch_size: int = 8,
-    *,
-    optimizer: str = "adamw",
-    implementation: str = "foreach",
-    autocast: str | None = None,
-    device: str | int | Device = "t4",
-    micro_batches: int = 1,
-) -> list[Fix]:
+def cheapest_fix(cfg: ModelConfig | None = None, batch_size: int = 8, **options) -> list[Fix]:
     """Candidate changes that lower the peak, each checked by another dry run, ranked: the ones that fit first,
     then by what they change (:data:`EFFECTS`: time only, then numerics, global batch, optimizer), then by extra
-    FLOPs (measured with ``FlopCounterMode``).
+    FLOPs (measured with ``FlopCounterMode``). ``options``: the other fields of
+    :class:`~anatomy_helpers.prediction.fit.FitRequest`, by keyword, as for ``will_it_fit``.
 
     * **Micro-batches with gradient accumulation** (time only: the global batch is kept; 2, 4, 8, ... dividing
       the batch, up to the first that fits): ``dry_run_config`` has no micro-batches, so we dry-run the smaller
@@ -120,16 +112,15 @@ def cheapest_fix(
     accumulation candidates try 2m, 4m, ... micro-batches. A candidate whose memory on ``device`` no CUDA rule
     states (:class:`~anatomy_helpers.prediction.cuda_rules.CudaRuleError`) is left out, not guessed.
     """
-    cfg = cfg if cfg is not None else ModelConfig()
-    dev = check_request(cfg, batch_size, optimizer, implementation, autocast, device, micro_batches)
-    m, runs = micro_batches, DryRuns()
-    kw = dict(optimizer=optimizer, implementation=implementation, autocast=autocast)
+    request = FitRequest(cfg if cfg is not None else ModelConfig(), batch_size, **options)
+    dev = request.check()
+    cfg, m, runs = request.cfg, request.micro_batches, DryRuns()
+    optimizer, implementation, autocast = request.optimizer, request.implementation, request.autocast
     base_flops = config_step_flops(cfg, batch_size)
     fixes = []
 
     def candidate(name, effect, note, new_cfg=cfg, b=batch_size, micro=m, flops=None, **over):
-        run = {**kw, **over}
-        report = fit_run(runs, new_cfg, b, run["optimizer"], run["implementation"], run["autocast"], dev, micro)
+        report = fit_run(runs, request.but(cfg=new_cfg, batch_size=b, micro_batches=micro, **over), dev)
         flops = config_step_flops(new_cfg, b) * batch_size // b if flops is None else flops  # per global batch
         return Fix(name, report, flops / base_flops - 1, effect, note, micro)
 
