@@ -277,8 +277,9 @@ def test_this_gpu_reads_the_real_device_and_a_known_one_matches_its_table_entry(
 def test_a_fit_request_is_checked_once_for_both_questions():
     cfg = ModelConfig(**SMALL)
     request = FitRequest(cfg, 8, optimizer="sgd", micro_batches=2)
-    assert "b=4 " in request.label() and request.label().endswith("sgd (foreach) x 2 micro-batches")  # 8 rows in 2 passes
-    assert "b=8 " in request.but(micro_batches=1).label() and request.but(micro_batches=1).label().endswith("sgd (foreach)")
+    label, whole = request.label(), request.but(micro_batches=1).label()
+    assert "b=4 " in label and label.endswith("sgd (foreach) x 2 micro-batches")  # 8 rows in 2 passes
+    assert "b=8 " in whole and whole.endswith("sgd (foreach)")
     for bad, named in ((dict(autocast="fp8"), "autocast"), (dict(implementation="loop"), "implementation")):
         with pytest.raises(ValueError, match=named):
             will_it_fit(cfg, 8, **bad)
