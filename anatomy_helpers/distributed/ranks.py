@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..step import StepPlan, run_step
 from ..tensors import optimizer_state_tensors, storage_bytes
-from ..tracking.events import COMMUNICATION, GRADIENTS, OPT_STEP, OPTIMIZER_STATE, PARAMETERS, PHASES, TEMPORARIES, Peak
+from ..tracking.events import COMMUNICATION, GRADIENTS, Peak
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 
@@ -50,16 +50,6 @@ STRATEGIES = {
 ZERO_STAGE = {"ddp": 0, "ddp_bucket_view": 0, "zero1": 1, "fsdp2_zero2": 2, "fsdp2_zero3": 3}
 FAULTS = ("raise", "exit", "kill", "hang")  # for testing the runner: what the faulty rank does
 LR, WEIGHT_DECAY = 1e-3, 0.1  # make_optimizer's AdamW
-
-# Which category wins when a storage qualifies twice (lower wins): model states first, then communication, then
-# the single-device order (a parameter all-gathered for forward and saved for backward stays communication).
-_MODEL_STATES = (PARAMETERS, OPTIMIZER_STATE, GRADIENTS)
-
-
-def _priority(category: int) -> int:
-    if category in _MODEL_STATES:
-        return category
-    return 3 if category == COMMUNICATION else 4 + category
 
 
 @dataclass
@@ -151,89 +141,76 @@ class _Collectives(TorchDispatchMode):
 
 
 class RankTracker(StepTracker):
-    """A StepTracker for one data-parallel rank.
+    """A StepTracker for one data-parallel rank, built on the StepTracker's extension points.
 
     ``communication``: tensors alive before tracking that exist only for collectives (DDP's buckets).
     ``watched``: storages a wrapper resizes in place without an op (FSDP's all-gathered parameters: resized to
     0 when resharded, back when all-gathered); their size is read before every op. Both count as
-    "communication" unless they turn out to be a model state. Every tensor a c10d op reads or writes that is no
-    model state counts as communication too; each collective is noted in :attr:`collectives`.
-    Kernel scratch is not measured (one profiler session per process would only add noise here).
+    "communication" unless they turn out to be a model state (events.CATEGORY_PRECEDENCE). Every tensor a c10d op
+    reads or writes that is no model state counts as communication too; each collective is noted in
+    :attr:`collectives`. DTensors count by their local shards. Kernel scratch is not measured (one profiler
+    session per process would only add noise here).
     """
 
     def __init__(self, model, optimizer, *, accumulate: bool = False, communication=(), watched=()):
         super().__init__(model, optimizer, kernel_scratch=False, accumulate=accumulate)
         self._communication = list(communication)
         self._watched = list(watched)
-        self._watched_aids: list[tuple[torch.Tensor, int]] = []
+        self._watched_ids: list[tuple[torch.Tensor, int | None]] = []  # (watched tensor, its allocation id)
         self.collectives: list[Collective] = []
 
-    def _aid(self, t, module=None, new=True, category=TEMPORARIES):
-        return super()._aid(_local(t), module, new, category)
+    # ---- the StepTracker's extension points ----
+    def storage_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A DTensor's bytes live in its local shard."""
+        return _local(t)
 
-    def _mark(self, t, category, module=None):
-        aid = self._aid(t, module, category=category)
-        if aid is not None and _priority(category) < _priority(self._a_cat[aid]):
-            self._a_cat[aid] = category
-        return aid
-
-    def _register_existing(self) -> None:
-        super()._register_existing()
-        for t in self._communication:
-            self._mark(t, COMMUNICATION)
-        self._watched_aids = [(t, self._mark(t, COMMUNICATION)) for t in self._watched]
-
-    def _mark_optimizer_state(self) -> None:
-        super()._mark_optimizer_state()
-        inner = getattr(self.optimizer, "optim", None)  # ZeroRedundancyOptimizer keeps its shard's state there
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state, and ZeroRedundancyOptimizer's inner optimizer's (its shard's state lives there)."""
+        tensors = super().state_tensors()
+        inner = getattr(self.optimizer, "optim", None)
         if isinstance(inner, torch.optim.Optimizer):
-            for t in optimizer_state_tensors(inner):
-                self._mark(t, OPTIMIZER_STATE, self._code(OPT_STEP))
+            tensors += optimizer_state_tensors(inner)
+        return tensors
 
-    def _install_hooks(self) -> None:
-        super()._install_hooks()
+    def on_baseline(self) -> None:
+        """The communication buffers and the watched storages, alive before tracking."""
+        for t in self._communication:
+            self.mark(t, COMMUNICATION)
+        self._watched_ids = [(t, self.mark(t, COMMUNICATION)) for t in self._watched]
 
-        def grads_before_step(opt, args, kwargs):  # FSDP sets sharded gradients without autograd's hooks
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._mark(p.grad, GRADIENTS)
+    def on_optimizer_step(self) -> None:
+        """Mark the gradients the optimizer is about to read: FSDP sets its sharded ones without autograd's hooks."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.mark(p.grad, GRADIENTS)
 
-        handle = self.optimizer.register_step_pre_hook(grads_before_step)
-        self._undo.append(handle.remove)
+    def inner_modes(self) -> list[TorchDispatchMode]:
+        """Sees each c10d op first, with its arguments."""
+        return [_Collectives(self)]
 
-    def __enter__(self) -> RankTracker:
-        super().__enter__()
-        mode = _Collectives(self)  # inside the tracker's own mode: it sees each c10d op first, with its arguments
-        mode.__enter__()
-        self._undo.append(lambda: mode.__exit__(None, None, None))
-        return self
-
+    # ---- what the modes report ----
     def _poll_watched(self) -> None:
         """Record resizes of the watched storages (FSDP resizes them in place, outside any op)."""
-        if not self._active:
+        if not self.recording:
             return
-        for t, aid in self._watched_aids:
-            if aid is not None:
-                nbytes = t.untyped_storage().nbytes()
-                if nbytes != self._a_bytes[aid]:
-                    self._record(aid, nbytes - self._a_bytes[aid], self._module)
-                    self._a_bytes[aid] = nbytes
+        for t, alloc_id in self._watched_ids:
+            if alloc_id is not None:
+                self.resize(alloc_id, t.untyped_storage().nbytes())
 
     def _on_collective(self, func, args, out) -> None:
-        if not self._active:
+        if not self.recording:
             return
-        tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
-        for t in tensors:
-            self._mark(t, COMMUNICATION)
+        for t in _flat(args):
+            if isinstance(t, torch.Tensor):
+                self.mark(t, COMMUNICATION)
         outs = [o for o in _flat(out) if isinstance(o, torch.Tensor)]
-        index = len(self._events) - self._n_baseline - 1
         self.collectives.append(
             Collective(
-                index=index,
-                time_s=(time.perf_counter_ns() - self._start_ns) / 1e9,
-                step=self._step,
-                phase=PHASES[self._phase],
+                index=self.samples - 1,
+                time_s=self.elapsed_s(),
+                step=self.step,
+                phase=self.phase,
                 op=func._schema.name.split("::")[-1],
                 bytes=sum(_local(o).nbytes for o in outs),
             )

@@ -135,12 +135,12 @@ class _ParameterCasts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker
-        if func is torch.ops.aten._to_copy.default and tracker._active:
+        if func is torch.ops.aten._to_copy.default and tracker.recording:
             source = args[0]  # a view or transpose of a weight shares the weight's storage
             if source.untyped_storage()._cdata in tracker._param_storages:
-                aid = tracker._aid(out, new=False)
-                if aid is not None:
-                    tracker.parameter_casts.add(aid)
+                alloc_id = tracker.allocation_id(out, new=False)
+                if alloc_id is not None:
+                    tracker.parameter_casts.add(alloc_id)
         return out
 
 
@@ -154,12 +154,8 @@ class CastTracker(StepTracker):
         self.parameter_casts: set[int] = set()
         self._param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
 
-    def __enter__(self) -> CastTracker:
-        super().__enter__()
-        mode = _ParameterCasts(self)
-        mode.__enter__()
-        self._undo.append(lambda: mode.__exit__(None, None, None))
-        return self
+    def inner_modes(self) -> list[TorchDispatchMode]:
+        return [_ParameterCasts(self)]
 
 
 def precision_table(batch_size: int = GLOBAL_BATCH, device=None, **config) -> list[PrecisionRow]:

@@ -1,6 +1,6 @@
 """A memory budget on CPU: training steps that "run out of memory" when live tensor bytes pass a limit.
 
-The tracker raises :class:`~anatomy_helpers.tracking.tracker.MemoryBudgetExceeded` the moment its live bytes go over
+The tracker raises :class:`~anatomy_helpers.tracking.recorder.MemoryBudgetExceeded` the moment its live bytes go over
 ``budget_bytes``; :func:`run_under_budget` turns that into a :class:`BudgetRun` (which steps passed, where it
 failed) and :class:`StorageWatch` checks that a failed step left nothing alive. Bytes everywhere.
 """
@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..tensors import on_device, optimizer_state_tensors, returns_alias
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB
+from .recorder import MemoryBudgetExceeded
 from .trace import Trace
-from .tracker import MemoryBudgetExceeded
 
 
 def budget_between(trace: Trace, step_a: int = 1, step_b: int = 2, round_to: int = MiB) -> int:
@@ -131,7 +131,7 @@ def run_under_budget(
 ) -> BudgetRun:
     """Train ``steps`` tracked steps under ``budget_bytes`` of live tensor memory and report what happened.
 
-    A :class:`~anatomy_helpers.tracking.tracker.MemoryBudgetExceeded` is caught and turned into plain fields; the
+    A :class:`~anatomy_helpers.tracking.recorder.MemoryBudgetExceeded` is caught and turned into plain fields; the
     exception itself is not kept (its traceback holds the failed step's tensors). After a failure, the
     half-made gradients are dropped with ``zero_grad`` and the garbage collector runs, as a training loop
     that survives an out-of-memory error must.

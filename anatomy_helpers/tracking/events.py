@@ -1,22 +1,25 @@
-"""The vocabulary of a trace: memory categories, phases, the parts of the course model, and typed records.
+"""The vocabulary of a trace: memory categories and which one wins, phases, the parts of the course model, the rows
+the recorder appends while it watches (:class:`Event`, :class:`OpWindow`, :class:`SavedRow`) and the typed records
+of a finished trace.
 
-:mod:`anatomy_helpers.tracking.trace` builds on these; everything here is plain data (numpy arrays, dataclasses).
+:mod:`anatomy_helpers.tracking.recorder` writes the rows, :mod:`anatomy_helpers.tracking.trace` builds on the
+records; everything here is plain data (named tuples, numpy arrays, dataclasses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from ..units import MiB
 
-# Lower index wins when a storage qualifies twice: a weight saved for backward
-# stays a parameter, the token ids saved by the embedding stay inputs.
-# "recomputed": made again during backward by activation checkpointing. "kernel_scratch": memory a kernel
-# allocates and frees inside one op (no op output shows it; see scratch.py). "communication": memory that exists
-# only for a collective under data parallelism (DDP's gradient buckets, FSDP's all-gathered parameters and
-# reduce-scatter buffers; see distributed.py); a single-device trace never holds it.
+# What a storage is, in the order tables and figures show them. "recomputed": made again during backward by
+# activation checkpointing. "kernel_scratch": memory a kernel allocates and frees inside one op (no op output shows
+# it; see scratch.py). "communication": memory that exists only for a collective under data parallelism (DDP's
+# gradient buckets, FSDP's all-gathered parameters and reduce-scatter buffers; see distributed/ranks.py); a
+# single-device trace never holds it. Which one a storage keeps when it qualifies twice: CATEGORY_PRECEDENCE.
 CATEGORIES = (
     "parameters",
     "optimizer_state",
@@ -39,6 +42,40 @@ CATEGORIES = (
     KERNEL_SCRATCH,
     COMMUNICATION,
 ) = range(len(CATEGORIES))
+
+# Which category a storage keeps when it qualifies as two (earlier in this list wins), the one table the recorder
+# and the per-rank tracker both use. The model states come first, whatever else touches them: a weight saved for
+# backward stays "parameters", a gradient that is a view of DDP's bucket stays "gradients", Adam's moments stay
+# "optimizer_state". Then "communication": an FSDP parameter all-gathered for forward and saved for backward is the
+# all-gather's buffer, not an activation. Then what the step itself makes, in the order of CATEGORIES: the token ids
+# saved by the embedding stay "inputs", a temporary saved for backward becomes "activations".
+CATEGORY_PRECEDENCE = (
+    "parameters",
+    "optimizer_state",
+    "gradients",
+    "communication",
+    "inputs",
+    "activations",
+    "recomputed",
+    "temporaries",
+    "kernel_scratch",
+)
+#: Per category index (CATEGORIES order): its place in CATEGORY_PRECEDENCE, 0 the strongest. The recorder's fast path.
+PRECEDENCE_RANK = tuple(CATEGORY_PRECEDENCE.index(c) for c in CATEGORIES)
+
+
+def winning_category(current: str, other: str) -> str:
+    """The category a storage ends with when it is ``current`` and turns out to qualify as ``other`` too.
+
+    ``winning_category("parameters", "activations")`` is ``"parameters"`` (a weight saved for backward);
+    ``winning_category("temporaries", "activations")`` is ``"activations"`` (an op output saved for backward).
+    """
+    for name in (current, other):
+        if name not in CATEGORIES:
+            raise ValueError(f"category must be one of {CATEGORIES}, got {name!r}")
+    return min(current, other, key=CATEGORY_PRECEDENCE.index)
+
+
 PHASES = ("idle", "forward", "backward", "optimizer")
 IDLE, FORWARD, BACKWARD, OPTIMIZER = range(len(PHASES))
 
@@ -78,7 +115,47 @@ def _check_phase(phase: str | None) -> None:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
 
 
-# ---- typed records --------------------------------------------------------------------------------------------
+# ---- the rows the recorder appends while it watches ----------------------------------------------------------
+# Named tuples: as cheap to make and to turn into a numpy array as plain tuples (thousands per step), read by name.
+
+
+class Event(NamedTuple):
+    """One change of one allocation: the recorder's event list holds one per allocation, free or resize, in order.
+
+    The list becomes the trace's timeline (np.array of these rows, columns in this order; see Trace.from_events).
+    """
+
+    time_ns: int  # time.perf_counter_ns() when it was recorded
+    alloc_id: int  # which allocation (the recorder's index of the storage)
+    delta: int  # bytes: positive when allocated or grown, negative when freed or shrunk
+    step: int  # the step it happened in (1, 2, ...)
+    phase: int  # index into PHASES
+    module: int  # index into the recorder's module names
+
+
+class OpWindow(NamedTuple):
+    """One op that may allocate, as the timed watcher saw it run: where its kernel scratch would go (scratch.py)."""
+
+    start_ns: int  # time.time_ns() just before the op ran (the profiler's clock)
+    end_ns: int  # time.time_ns() just after it returned
+    event_index: int  # number of events recorded once its outputs were: a scratch pair is inserted there
+    step: int  # the op's step, phase (index into PHASES) and module (index into the module names)
+    phase: int
+    module: int
+
+
+class SavedRow(NamedTuple):
+    """One tensor autograd packed for backward, as the recorder notes it (SavedTensor once the trace is built)."""
+
+    step: int
+    module: int  # index into the module names: the module running when it was saved
+    shape: tuple
+    dtype: object  # torch.dtype
+    bytes: int  # the saved view's own bytes
+    alloc_id: int  # the allocation behind it (several saved views may share one)
+
+
+# ---- typed records of a finished trace -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

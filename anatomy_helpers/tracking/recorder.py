@@ -2,6 +2,12 @@
 
 :class:`Recorder` knows nothing of hooks; :class:`~anatomy_helpers.tracking.tracker.StepTracker` (its subclass) feeds it
 from torch's callbacks and turns what it recorded into a :class:`~anatomy_helpers.tracking.trace.Trace`.
+
+A recording's life: :meth:`Recorder.begin` (everything reset), the storages alive before tracking registered with
+:meth:`~Recorder.mark`, :meth:`~Recorder.close_baseline`, then every allocation, free and resize as it happens
+(:meth:`~Recorder.allocation_id`, :meth:`~Recorder.resize`, the weak references' callbacks), and
+:meth:`~Recorder.end`, which returns the Trace. Every field is declared in ``__init__`` (what it records for) and
+:meth:`~Recorder.reset` (what one recording holds); nothing else creates one.
 """
 
 from __future__ import annotations
@@ -13,27 +19,27 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..tensors import optimizer_state_tensors
 from ..units import MiB
 from .events import (
     BACKWARD,
     CATEGORIES,
     FORWARD,
-    GRADIENTS,
     IDLE,
     KERNEL_SCRATCH,
     NO_MODULE,
     OPT_STEP,
     OPT_ZERO_GRAD,
     OPTIMIZER,
-    OPTIMIZER_STATE,
-    PARAMETERS,
     PHASES,
+    PRECEDENCE_RANK,
     RECOMPUTED,
     ROOT,
     TEMPORARIES,
     CudaMark,
+    Event,
+    OpWindow,
     PhaseMark,
+    SavedRow,
     SavedTensor,
 )
 from .scratch import splice_scratch
@@ -41,6 +47,9 @@ from .trace import Trace
 
 _now = time.perf_counter_ns
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
+
+#: Module names every recording knows from the start, at these indices (the model's own modules follow).
+FIXED_MODULES = (NO_MODULE, ROOT, OPT_STEP, OPT_ZERO_GRAD)
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -66,106 +75,153 @@ class MemoryBudgetExceeded(RuntimeError):
 
 
 class Recorder:
-    """Allocation ids, categories, modules, phases and the event list of one tracked run (see StepTracker)."""
+    """Allocation ids, categories, modules, phases and the event list of one tracked run (see StepTracker).
 
-    def _reset_records(self) -> None:
-        self._modules = [NO_MODULE, ROOT, OPT_STEP, OPT_ZERO_GRAD]
-        self._module_code = {name: i for i, name in enumerate(self._modules)}
-        self._mod_stack: list[int] = []
-        self._module = self._module_code[NO_MODULE]
-        self._phase, self._step = IDLE, 1
-        self._phase_marks: list[tuple[int, int, int, int]] = []  # (event index, time ns, step, phase)
-        self._events: list[tuple[int, int, int, int, int, int]] = []  # (ns, alloc id, delta, step, phase, module)
-        self._cuda_samples: list[tuple[int, int]] = []  # (memory_allocated, memory_reserved) per event
-        self._a_bytes: list[int] = []  # current bytes per allocation id
-        self._a_cat: list[int] = []
-        self._a_module: list[int] = []
-        self._live: dict[int, int] = {}  # storage address (_cdata) -> allocation id
-        self._refs: dict[int, weakref.ref] = {}  # allocation id -> weak ref that reports the free
-        self._live_bytes = 0
-        self._grad_param: dict[int, str] = {}  # allocation id of a gradient -> its parameter's name
-        self._saved: list[tuple[int, int, tuple, torch.dtype, int, int]] = []
-        self._start_ns = time.perf_counter_ns()
-        self._cuda_marks: list[tuple[int, int, int, int]] = []  # (sample, allocated, reserved, requested)
-        self._cuda_at_entry = self._cuda_counters() if self._cuda else (0, 0, 0)
-        self._op_kinds: dict[int, int] = {}  # id(op) -> what its outputs are (tensors.op_outputs)
-        self._windows: list[tuple[int, int, int, int, int, int]] = []  # per op: start, end ns, event index, context
-        self._memory_events: list = []  # the allocator's events, once the memory session has stopped
-        self._scratch_recorded = False
-        if hasattr(self, "_n_baseline"):
-            del self._n_baseline
+    ``device``: only storages on it are counted. ``budget_bytes``: raise :class:`MemoryBudgetExceeded` when live
+    bytes pass it (None: no limit). ``accumulate``: a forward after a backward is the next micro-batch of the same
+    step (gradient accumulation), not a new step.
 
-    def _splice_scratch(self, memory_events: np.ndarray) -> None:
-        """Add each op's kernel scratch (scratch.py) as an allocation right after the op's outputs, freed at once."""
+    For subclasses: :meth:`storage_tensor` is the hook that says which tensor's storage a tensor's bytes live in;
+    :meth:`mark`, :meth:`allocation_id` and :meth:`resize` record; :attr:`recording`, :attr:`step`, :attr:`phase`,
+    :attr:`samples` and :meth:`elapsed_s` say where the recording is.
+    """
 
-        def new_scratch(nbytes: int, module: int) -> int:
-            self._a_bytes.append(nbytes)
-            self._a_cat.append(KERNEL_SCRATCH)
-            self._a_module.append(module)
-            return len(self._a_bytes) - 1
+    def __init__(self, device: torch.device | str, *, budget_bytes: int | None = None, accumulate: bool = False):
+        self.device = torch.device(device)  # the device whose storages count
+        self.budget_bytes = budget_bytes  # live bytes above this raise MemoryBudgetExceeded; None: no limit
+        self.accumulate = bool(accumulate)  # True: only the optimizer phase ends a step (micro-batches)
+        self._cuda = self.device.type == "cuda"  # a GPU: its allocator's counters are sampled with every event
+        self._cuda_index = self.device.index if self._cuda else -1  # which GPU (-1 on CPU)
+        self.reset()
 
-        self._events, self._phase_marks = splice_scratch(
-            self._events, self._windows, memory_events, self._phase_marks, new_scratch
-        )
+    def reset(self) -> None:
+        """Forget every recording: the state of a recorder that has not begun (the same fields ``__init__`` made)."""
+        # -- whether it records, and since when
+        self._active = False  # between begin() and end(); a free reported outside that is ignored
+        self._start_ns = 0  # perf_counter_ns at begin(): times in the trace are seconds since then
+        self._end_ns = 0  # perf_counter_ns at end()
+        self._n_baseline: int | None = None  # events that registered what was alive at begin(); None until closed
+        # -- where the step is
+        self._step = 1  # the step now running (1, 2, ...)
+        self._phase = IDLE  # index into PHASES
+        self._modules = list(FIXED_MODULES)  # module names; an event's module is an index into this list
+        self._module_code = {name: i for i, name in enumerate(self._modules)}  # module name -> its index
+        self._module = self._module_code[NO_MODULE]  # index of the module now running
+        self._mod_stack: list[int] = []  # indices of the modules whose forward the running one is inside
+        # -- allocations, one entry per allocation id (ids count up from 0 in the order storages are first seen)
+        self._alloc_bytes: list[int] = []  # bytes it holds now (its last size, once freed)
+        self._alloc_category: list[int] = []  # index into CATEGORIES: what the storage turned out to be
+        self._alloc_module: list[int] = []  # index of the module that allocated it (that owns it: parameters)
+        self._live: dict[int, int] = {}  # storage address (_cdata) of each live storage -> its allocation id
+        self._refs: dict[int, weakref.ref] = {}  # allocation id -> the weak reference whose callback reports the free
+        self._live_bytes = 0  # bytes of every live allocation together
+        self._grad_param: dict[int, str] = {}  # allocation id of a gradient -> the name of its parameter
+        # -- what happened, in order
+        self._events: list[Event] = []  # one per allocation, free or resize (the baseline's come first)
+        self._phase_marks: list[PhaseMark] = []  # one per phase change; index: the number of events before it
+        self._saved: list[SavedRow] = []  # one per tensor autograd packed for backward
+        self._windows: list[OpWindow] = []  # one per op that may allocate (kernel scratch measured only)
+        self._memory_events: list[np.ndarray | None] = []  # the allocator's (ns, +/- bytes) events, once stopped
+        self._scratch_recorded = False  # whether kernel scratch was measured (the memory session survived)
+        # -- CUDA only (empty or None on CPU)
+        self._cuda_samples: list[tuple[int, int]] = []  # (memory_allocated, memory_reserved) bytes per event
+        self._cuda_at_entry: CudaMark | None = None  # the allocator's counters at begin()
+        self._cuda_marks: list[CudaMark] = []  # the allocator's counters at each phase change
 
-    def _build_trace(self) -> Trace:
-        """The Trace of what was recorded: the baseline storages first, then one sample per event."""
-        names, sizes = self._modules, self._a_bytes
-        saved = [
-            SavedTensor(step, names[m], shape, dtype, nbytes, aid, sizes[aid], CATEGORIES[self._a_cat[aid]])
-            for step, m, shape, dtype, nbytes, aid in self._saved
-        ]
-        start = self._start_ns
-        return Trace.from_events(
-            events=np.array(self._events, dtype=np.int64).reshape(-1, 6),
-            n_baseline=self._n_baseline,
-            start_ns=start,
-            alloc_category=np.array(self._a_cat, dtype=np.int64),
-            alloc_module=np.array(self._a_module, dtype=np.int64),
-            module_names=list(names),
-            phase_marks=[PhaseMark(i, (t - start) / 1e9, s, PHASES[p]) for i, t, s, p in self._phase_marks],
-            saved=saved,
-            grad_param=dict(self._grad_param),
-            device=str(self.device),
-            duration_s=(self._end_ns - start) / 1e9,
-            cuda_samples=np.array(self._cuda_samples, dtype=np.int64).reshape(-1, 2) if self._cuda else None,
-            cuda_at_entry=CudaMark(-1, *self._cuda_at_entry) if self._cuda else None,
-            cuda_marks=[CudaMark(i, a, r, q) for i, a, r, q in self._cuda_marks],
-            kernel_scratch_recorded=self._scratch_recorded,
-        )
+    # ---- a recording's life ---------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start a new recording: everything reset, the clock (and on CUDA the allocator's counters) read."""
+        self.reset()
+        self._start_ns = _now()
+        if self._cuda:
+            self._cuda_at_entry = CudaMark(-1, *self._cuda_counters())
+        self._active = True
 
-    # ---- registering storages ---------------------------------------------------
-    def _register_existing(self) -> None:
-        for name, p in self.model.named_parameters():
-            self._mark(p, PARAMETERS, self._code(name.rpartition(".")[0] or ROOT))
-        for name, b in self.model.named_buffers():
-            self._mark(b, PARAMETERS, self._code(name.rpartition(".")[0] or ROOT))
-        for p in self.model.parameters():
-            if p.grad is not None:
-                self._mark(p.grad, GRADIENTS)
-        self._mark_optimizer_state()
+    def close_baseline(self) -> None:
+        """What was alive before tracking is registered: the events from here on are the timeline.
 
+        Raises :class:`MemoryBudgetExceeded` (step 0) if that alone is over the budget.
+        """
+        self._n_baseline = len(self._events)
+        if self.budget_bytes is not None and self._live_bytes > self.budget_bytes:  # the model itself does not fit
+            raise MemoryBudgetExceeded(self.budget_bytes, self._live_bytes, 0, "idle", ROOT, self.live_breakdown())
+
+    def end(self) -> Trace:
+        """Stop recording and return the :class:`Trace` (kernel scratch spliced in if the allocator's events came)."""
+        try:
+            self._active = False
+            self._end_ns = _now()
+            if self._n_baseline is None:  # failed while registering what was already alive
+                self._n_baseline = len(self._events)
+            memory_events = self._memory_events[0] if self._memory_events else None
+            self._scratch_recorded = memory_events is not None
+            if memory_events is not None:
+                self._splice_scratch(memory_events)
+            return self._build_trace()
+        finally:
+            self._refs.clear()  # dropping the weak refs also drops their callbacks
+            self._live.clear()
+
+    # ---- where the recording is (for subclasses) ----------------------------------------------------------------
+    @property
+    def recording(self) -> bool:
+        """Whether a recording is under way (between :meth:`begin` and :meth:`end`)."""
+        return self._active
+
+    @property
+    def step(self) -> int:
+        """The step now running (1, 2, ...)."""
+        return self._step
+
+    @property
+    def phase(self) -> str:
+        """The phase now running, one of PHASES."""
+        return PHASES[self._phase]
+
+    @property
+    def samples(self) -> int:
+        """Timeline samples recorded so far (the baseline not counted): the next one gets this index."""
+        return len(self._events) - (self._n_baseline or 0)
+
+    def elapsed_s(self) -> float:
+        """Seconds since the recording began."""
+        return (_now() - self._start_ns) / 1e9
+
+    # ---- the hook --------------------------------------------------------------------------------------------
+    def storage_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor whose storage holds ``t``'s bytes: ``t`` itself here.
+
+        Called on every tensor before its storage is looked up (each op output, each saved tensor, each mark), so
+        keep it cheap. A subclass returns another tensor for wrappers that own no storage of their own (the
+        per-rank tracker: a DTensor's local shard).
+        """
+        return t
+
+    # ---- registering storages ---------------------------------------------------------------------------------
     def _code(self, name: str) -> int:
+        """The index of module ``name``, registering it if new."""
         code = self._module_code.get(name)
         if code is None:
             code = self._module_code[name] = len(self._modules)
             self._modules.append(name)
         return code
 
-    def _aid(
+    def allocation_id(
         self, t: torch.Tensor, module: int | None = None, new: bool = True, category: int = TEMPORARIES
     ) -> int | None:
-        """Allocation id of t's storage, registering it (as ``category``) if unknown and ``new``.
+        """Allocation id of ``t``'s storage, registering it (as ``category``, in ``module``) if unknown and ``new``.
 
-        None if the storage is not on the tracked device (or unknown and not ``new``).
+        None if the storage is not on the recorded device (or unknown and not ``new``). A known storage whose size
+        changed (out= ops, ``resize_``) is recorded as resized.
         """
+        t = self.storage_tensor(t)
         if t.is_cuda is not self._cuda or t.is_meta or t.layout is not torch.strided:
             return None
         if self._cuda and t.get_device() != self._cuda_index:  # another GPU's memory is not this model's
             return None
         st = t.untyped_storage()
-        aid = self._live.get(st._cdata)
-        if aid is None:
+        alloc_id = self._live.get(st._cdata)
+        if alloc_id is None:
             if not new:
                 return None
             if category == TEMPORARIES and _graph_task_id() != -1 and torch.is_grad_enabled():
@@ -176,66 +232,78 @@ class Recorder:
                 category = RECOMPUTED
             return self._new(st, self._module if module is None else module, category)
         nbytes = st.nbytes()
-        if nbytes != self._a_bytes[aid]:  # resized in place (out= ops, resize_)
-            self._record(aid, nbytes - self._a_bytes[aid], self._module)
-            self._a_bytes[aid] = nbytes
-        return aid
+        if nbytes != self._alloc_bytes[alloc_id]:
+            self.resize(alloc_id, nbytes)
+        return alloc_id
+
+    def resize(self, alloc_id: int, nbytes: int) -> None:
+        """Record that allocation ``alloc_id`` now holds ``nbytes`` (resized in place); nothing if it already did.
+
+        :meth:`allocation_id` calls it for the storages ops return; a subclass calls it for storages resized
+        without an op (FSDP's all-gathered parameters).
+        """
+        old = self._alloc_bytes[alloc_id]
+        if nbytes != old:
+            self._record(alloc_id, nbytes - old, self._module)
+            self._alloc_bytes[alloc_id] = nbytes
+
+    def mark(self, t: torch.Tensor, category: int, module: int | None = None) -> int | None:
+        """Count ``t``'s storage as ``category`` (an index into CATEGORIES) if that wins over what it is now.
+
+        Registers the storage first if it is new (allocated now, in ``module``, default the running one).
+        Which category wins is events.CATEGORY_PRECEDENCE. Returns its allocation id (None: not on the device).
+        """
+        alloc_id = self.allocation_id(t, module, category=category)
+        if alloc_id is not None and PRECEDENCE_RANK[category] < PRECEDENCE_RANK[self._alloc_category[alloc_id]]:
+            self._alloc_category[alloc_id] = category
+        return alloc_id
 
     def _new(self, st: torch.UntypedStorage, module: int, category: int) -> int:
         nbytes = st.nbytes()
-        aid = len(self._a_bytes)
-        self._a_bytes.append(nbytes)
-        self._a_cat.append(category)
-        self._a_module.append(module)
+        alloc_id = len(self._alloc_bytes)
+        self._alloc_bytes.append(nbytes)
+        self._alloc_category.append(category)
+        self._alloc_module.append(module)
         cdata = st._cdata
-        self._live[cdata] = aid
-        self._refs[aid] = weakref.ref(st, partial(self._on_free, aid, cdata))
-        self._record(aid, nbytes, module)
-        return aid
+        self._live[cdata] = alloc_id
+        self._refs[alloc_id] = weakref.ref(st, partial(self._on_free, alloc_id, cdata))
+        self._record(alloc_id, nbytes, module)
+        return alloc_id
 
-    def _record(self, aid: int, delta: int, module: int) -> None:
+    def _record(self, alloc_id: int, delta: int, module: int) -> None:
         self._live_bytes += delta
-        self._events.append((_now(), aid, delta, self._step, self._phase, module))
+        self._events.append(Event(_now(), alloc_id, delta, self._step, self._phase, module))
         if self._cuda:
             self._cuda_samples.append(
                 (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
             )
         if self.budget_bytes is not None and delta > 0 and self._live_bytes > self.budget_bytes:
-            if not hasattr(self, "_n_baseline"):
-                return  # still registering what was alive before tracking: checked as a whole afterwards
+            if self._n_baseline is None:
+                return  # still registering what was alive before tracking: checked as a whole by close_baseline
             raise MemoryBudgetExceeded(
                 self.budget_bytes, delta, self._step, PHASES[self._phase], self._modules[module], self.live_breakdown()
             )
 
-    def _on_free(self, aid: int, cdata: int, _ref) -> None:
-        if not self._active or self._refs.pop(aid, None) is None:
+    def _on_free(self, alloc_id: int, cdata: int, _ref) -> None:
+        if not self._active or self._refs.pop(alloc_id, None) is None:
             return
-        if self._live.get(cdata) == aid:
+        if self._live.get(cdata) == alloc_id:
             del self._live[cdata]
-        self._record(aid, -self._a_bytes[aid], self._module)
-
-    def _mark(self, t: torch.Tensor, category: int, module: int | None = None) -> int | None:
-        aid = self._aid(t, module, category=category)
-        if aid is not None and category < self._a_cat[aid]:
-            self._a_cat[aid] = category
-        return aid
-
-    def _mark_optimizer_state(self) -> None:
-        for t in optimizer_state_tensors(self.optimizer):
-            self._mark(t, OPTIMIZER_STATE, self._code(OPT_STEP))
+        self._record(alloc_id, -self._alloc_bytes[alloc_id], self._module)
 
     def live_breakdown(self) -> dict[str, int]:
         """Bytes alive right now per category, as the categories are known at this moment."""
         out = dict.fromkeys(CATEGORIES, 0)
-        for aid in self._live.values():
-            out[CATEGORIES[self._a_cat[aid]]] += self._a_bytes[aid]
+        for alloc_id in self._live.values():
+            out[CATEGORIES[self._alloc_category[alloc_id]]] += self._alloc_bytes[alloc_id]
         return out
 
     # ---- phases and modules -------------------------------------------------------
     def _mark_phase(self) -> None:
-        self._phase_marks.append((len(self._events), time.perf_counter_ns(), self._step, self._phase))
+        at = len(self._events)
+        self._phase_marks.append(PhaseMark(at, (_now() - self._start_ns) / 1e9, self._step, PHASES[self._phase]))
         if self._cuda:
-            self._cuda_marks.append((len(self._events), *self._cuda_counters()))
+            self._cuda_marks.append(CudaMark(at, *self._cuda_counters()))
 
     def _cuda_counters(self) -> tuple[int, int, int]:
         """(memory_allocated, memory_reserved, requested bytes): the allocator's own counts."""
@@ -257,3 +325,51 @@ class Recorder:
             self._step += 1
         self._phase = phase
         self._mark_phase()
+
+    # ---- the trace ---------------------------------------------------------------------------------------------
+    def _splice_scratch(self, memory_events: np.ndarray) -> None:
+        """Add each op's kernel scratch (scratch.py) as an allocation right after the op's outputs, freed at once."""
+
+        def new_scratch(nbytes: int, module: int) -> int:
+            self._alloc_bytes.append(nbytes)
+            self._alloc_category.append(KERNEL_SCRATCH)
+            self._alloc_module.append(module)
+            return len(self._alloc_bytes) - 1
+
+        self._events, self._phase_marks = splice_scratch(
+            self._events, self._windows, memory_events, self._phase_marks, new_scratch
+        )
+
+    def _build_trace(self) -> Trace:
+        """The Trace of what was recorded: the baseline storages first, then one sample per event."""
+        names, sizes, categories = self._modules, self._alloc_bytes, self._alloc_category
+        saved = [
+            SavedTensor(
+                step=row.step,
+                module=names[row.module],
+                shape=row.shape,
+                dtype=row.dtype,
+                bytes=row.bytes,
+                storage=row.alloc_id,
+                storage_bytes=sizes[row.alloc_id],
+                category=CATEGORIES[categories[row.alloc_id]],
+            )
+            for row in self._saved
+        ]
+        return Trace.from_events(
+            events=np.array(self._events, dtype=np.int64).reshape(-1, len(Event._fields)),
+            n_baseline=self._n_baseline,
+            start_ns=self._start_ns,
+            alloc_category=np.array(categories, dtype=np.int64),
+            alloc_module=np.array(self._alloc_module, dtype=np.int64),
+            module_names=list(names),
+            phase_marks=list(self._phase_marks),
+            saved=saved,
+            grad_param=dict(self._grad_param),
+            device=str(self.device),
+            duration_s=(self._end_ns - self._start_ns) / 1e9,
+            cuda_samples=np.array(self._cuda_samples, dtype=np.int64).reshape(-1, 2) if self._cuda else None,
+            cuda_at_entry=self._cuda_at_entry,
+            cuda_marks=list(self._cuda_marks),
+            kernel_scratch_recorded=self._scratch_recorded,
+        )

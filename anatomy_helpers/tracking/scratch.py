@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
 from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope, _ExperimentalConfig
+
+from .events import Event, OpWindow, PhaseMark
 
 #: Ops whose scratch is below this many bytes are left out: a few hundred ops per step wrap a Python scalar
 #: into a 4-12 byte tensor inside the op, which would add ~40 % more timeline samples for a few bytes.
@@ -160,30 +164,41 @@ def op_excess(mem: np.ndarray, windows: np.ndarray) -> np.ndarray:
     return excess
 
 
-def splice_scratch(events: list, windows: list, memory_events: np.ndarray, phase_marks: list, new_allocation):
-    """Insert one (allocate, free) pair of samples after every op whose kernel scratch is >= SCRATCH_MIN_BYTES.
+def splice_scratch(
+    events: list[Event],
+    windows: list[OpWindow],
+    memory_events: np.ndarray,
+    phase_marks: list[PhaseMark],
+    new_allocation: Callable[[int, int], int],
+) -> tuple[list[Event], list[PhaseMark]]:
+    """Insert one (allocate, free) pair of events after every op whose kernel scratch is >= SCRATCH_MIN_BYTES.
 
-    ``events``: the tracker's (time ns, allocation id, +/- bytes, step, phase, module) rows; ``windows``: per op,
-    (start ns, end ns, index of the event after its outputs, step, phase, module); ``phase_marks``: rows whose
-    first field is an event index; ``new_allocation(nbytes, module)`` registers a scratch allocation and returns
-    its id. The live total at the inserted allocation is exactly the peak during that op. Returns the new
+    ``events``: the recorder's events in order; ``windows``: one per op that may allocate, in order;
+    ``memory_events``: the allocator's (time ns, +/- bytes) events (:meth:`MemoryEvents.stop`); ``phase_marks``:
+    indexed by event; ``new_allocation(nbytes, module)`` registers a scratch allocation and returns its id. The pair
+    is stamped like the op's last event and goes at the op's ``event_index`` (right after its outputs), in its step,
+    phase and module: the live total at the inserted allocation is exactly the peak during that op. Returns the new
     (events, phase_marks).
     """
     if not windows or not len(memory_events):
         return events, phase_marks
-    excess = op_excess(memory_events, np.array([w[:2] for w in windows], dtype=np.int64))
+    excess = op_excess(memory_events, np.array([(w.start_ns, w.end_ns) for w in windows], dtype=np.int64))
     hit = np.flatnonzero(excess >= SCRATCH_MIN_BYTES).tolist()
     spliced, done = [], 0
     for k in hit:
-        _, _, at, step, phase, module = windows[k]
-        spliced.extend(events[done:at])
-        done = at
-        when = spliced[-1][0] if spliced else events[0][0]  # stamped like the op's last sample
-        aid = new_allocation(int(excess[k]), module)
-        spliced.append((when, aid, int(excess[k]), step, phase, module))
-        spliced.append((when, aid, -int(excess[k]), step, phase, module))
+        op = windows[k]
+        spliced.extend(events[done : op.event_index])
+        done = op.event_index
+        when = spliced[-1].time_ns if spliced else events[0].time_ns  # stamped like the op's last sample
+        nbytes = int(excess[k])
+        alloc_id = new_allocation(nbytes, op.module)
+        spliced.append(Event(when, alloc_id, nbytes, op.step, op.phase, op.module))
+        spliced.append(Event(when, alloc_id, -nbytes, op.step, op.phase, op.module))
     spliced.extend(events[done:])
-    inserted_at = np.array([windows[k][2] for k in hit], dtype=np.int64)
+    inserted_at = np.array([windows[k].event_index for k in hit], dtype=np.int64)
     # a mark made before event i moves past every pair inserted at or before i (they belong to earlier ops)
-    marks = [(m[0] + 2 * int(np.searchsorted(inserted_at, m[0], side="right")), *m[1:]) for m in phase_marks]
+    marks = [
+        dataclasses.replace(m, index=m.index + 2 * int(np.searchsorted(inserted_at, m.index, side="right")))
+        for m in phase_marks
+    ]
     return spliced, marks

@@ -20,10 +20,11 @@ from functools import cached_property
 
 import numpy as np
 
-# The vocabulary lives in records.py; the names other modules reach for are re-exported here.
 from ..checks import positive_int
 from ..tables import Col, format_table
 from ..units import MiB, round_up
+
+# The vocabulary lives in events.py; the names other modules reach for are re-exported here.
 from .events import (  # noqa: F401  (re-exported)
     ACTIVATIONS,
     CATEGORIES,
@@ -33,6 +34,7 @@ from .events import (  # noqa: F401  (re-exported)
     ROOT,
     AllocationRecord,
     CudaMark,
+    Event,
     LiveAllocation,
     OptimizerPhase,
     Peak,
@@ -113,22 +115,25 @@ class Trace:
     ) -> Trace:
         """A Trace from a recorder's event list.
 
-        ``events``: (n, 6) int64 rows of (time ns, allocation id, +/- bytes, step, phase, module), the first
-        ``n_baseline`` of them the storages alive when recording began. ``phase_marks`` and ``cuda_marks`` index
-        those rows (they are re-indexed to timeline samples here); ``cuda_samples``: (n, 2) memory_allocated /
-        memory_reserved per row, on CUDA. The other keyword arguments are the Trace's own.
+        ``events``: (n, 6) int64, one :class:`~anatomy_helpers.tracking.events.Event` per row (its fields are the
+        columns, in order), the first ``n_baseline`` of them the storages alive when recording began.
+        ``phase_marks`` and ``cuda_marks`` index those rows (they are re-indexed to timeline samples here);
+        ``cuda_samples``: (n, 2) memory_allocated / memory_reserved per row, on CUDA. The other keyword arguments
+        are the Trace's own.
         """
-        base, ev = events[:n_baseline], events[n_baseline:]
-        deltas = np.zeros((len(ev), len(CATEGORIES)), dtype=np.int64)
-        deltas[np.arange(len(ev)), alloc_category[ev[:, 1]]] = ev[:, 2]
+        base = dict(zip(Event._fields, events[:n_baseline].T))  # column name -> the baseline rows' values
+        ev = dict(zip(Event._fields, events[n_baseline:].T))  # ... and the timeline's
+        n = len(events) - n_baseline
+        deltas = np.zeros((n, len(CATEGORIES)), dtype=np.int64)
+        deltas[np.arange(n), alloc_category[ev["alloc_id"]]] = ev["delta"]
         baseline = np.zeros(len(CATEGORIES), dtype=np.int64)
-        np.add.at(baseline, alloc_category[base[:, 1]], base[:, 2])
+        np.add.at(baseline, alloc_category[base["alloc_id"]], base["delta"])
         cuda = None if cuda_samples is None else cuda_samples[n_baseline:]
         timeline = Timeline(
-            time_s=(ev[:, 0] - start_ns) / 1e9,
-            step=ev[:, 3].copy(),
-            phase=ev[:, 4].copy(),
-            module=ev[:, 5].copy(),
+            time_s=(ev["time_ns"] - start_ns) / 1e9,
+            step=ev["step"].copy(),
+            phase=ev["phase"].copy(),
+            module=ev["module"].copy(),
             bytes=baseline + np.cumsum(deltas, axis=0),
             module_names=module_names,
             cuda_allocated=None if cuda is None else cuda[:, 0],
@@ -137,10 +142,10 @@ class Trace:
         return cls(
             timeline=timeline,
             alloc_category=alloc_category,
-            alloc_ids=ev[:, 1].copy(),
-            alloc_deltas=ev[:, 2].copy(),
-            baseline_ids=base[:, 1].copy(),
-            baseline_bytes=base[:, 2].copy(),
+            alloc_ids=ev["alloc_id"].copy(),
+            alloc_deltas=ev["delta"].copy(),
+            baseline_ids=base["alloc_id"].copy(),
+            baseline_bytes=base["delta"].copy(),
             phase_marks=[dataclasses.replace(m, index=m.index - n_baseline) for m in phase_marks],
             cuda_marks=[dataclasses.replace(m, index=m.index - n_baseline) for m in cuda_marks or []],
             **fields,

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import checkpointing
 from ..checks import positive_number
 from ..interrupts import DeferredInterrupt
-from ..tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs
+from ..tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs, optimizer_state_tensors
 from .events import (
     ACTIVATIONS,
     BACKWARD,
@@ -56,16 +56,20 @@ from .events import (
     OPT_STEP,
     OPT_ZERO_GRAD,
     OPTIMIZER,
+    OPTIMIZER_STATE,
+    PARAMETERS,
     ROOT,
+    OpWindow,
+    SavedRow,
 )
-from .recorder import MemoryBudgetExceeded, Recorder  # noqa: F401  (MemoryBudgetExceeded: re-exported)
+from .recorder import FIXED_MODULES, MemoryBudgetExceeded, Recorder  # noqa: F401  (MemoryBudgetExceeded: re-exported)
 from .scratch import MemoryEvents
 from .trace import Trace
 
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
 _time_ns = time.time_ns  # the clock the profiler's memory events are stamped with
 _MISSING = object()
-_OUTSIDE = 0  # module code of NO_MODULE: allocated while no module of the model was running (see _reset_records)
+_OUTSIDE = FIXED_MODULES.index(NO_MODULE)  # module index: allocated while no module of the model was running
 
 
 class _OpWatcher(TorchDispatchMode):
@@ -101,7 +105,9 @@ class _TimedOpWatcher(_OpWatcher):
         end = _time_ns()
         tracker._after_op(out, kind)
         # where a scratch sample would go (after this op's output samples), and the op's context
-        tracker._windows.append((start, end, len(tracker._events), tracker._step, tracker._phase, tracker._module))
+        tracker._windows.append(
+            OpWindow(start, end, len(tracker._events), tracker._step, tracker._phase, tracker._module)
+        )
         return out
 
 
@@ -126,6 +132,16 @@ class StepTracker(Recorder):
     ``accumulate=True``: gradient accumulation, a step is several forward/backward
     passes (micro-batches) and ends only with the optimizer phase; a forward after a
     backward is the next micro-step of the same step, not a new step.
+
+    Extending it (the per-rank tracker in distributed/ranks.py does): override these, each documented below,
+    and record through the Recorder's :meth:`~Recorder.mark`, :meth:`~Recorder.allocation_id` and
+    :meth:`~Recorder.resize`:
+
+    * :meth:`storage_tensor` -- which tensor's storage holds a tensor's bytes (every tensor);
+    * :meth:`state_tensors` -- the optimizer state to count (on entering, after every optimizer step);
+    * :meth:`on_baseline` -- mark more storages alive before tracking (once, on entering);
+    * :meth:`on_optimizer_step` -- act as each ``optimizer.step()`` starts;
+    * :meth:`inner_modes` -- dispatch modes that see each op before the tracker records its outputs.
     """
 
     _running: StepTracker | None = None  # the tracker inside its `with` block, if any
@@ -152,20 +168,20 @@ class StepTracker(Recorder):
             raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer of this model")
         if budget_bytes is not None:
             positive_number("budget_bytes", budget_bytes)
-        self.model, self.optimizer, self.budget_bytes = model, optimizer, budget_bytes
-        self.accumulate = bool(accumulate)
         first = next(iter(model.parameters()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
-        self._cuda = self.device.type == "cuda"
-        self._cuda_index = self.device.index if self._cuda else -1
+        super().__init__(
+            first.device if first is not None else torch.device("cpu"), budget_bytes=budget_bytes, accumulate=accumulate
+        )
+        self.model = model  # the model whose step is tracked
+        self.optimizer = optimizer  # its optimizer: marks the optimizer phase, its state is read after every step
         # Kernel scratch is measured through the CPU allocator's reports (scratch.py); on CUDA the allocator's
         # own counters cover it.
         self.kernel_scratch = kernel_scratch and not self._cuda
-        self._trace: Trace | None = None
-        self._active = False
+        self._trace: Trace | None = None  # what the last `with` block recorded
         self._undo: list = []  # what __enter__ installed, each as a function that removes it again
         self._interrupt = DeferredInterrupt()  # Ctrl-C waits for a safe point: a module, a gradient, the optimizer
         self._thread: int | None = None  # the thread the `with` block runs in
+        self._op_kinds: dict[int, int] = {}  # id(op) -> what its outputs are (tensors.op_outputs), read once per op
 
     # ---- entering and leaving -------------------------------------------------
     def __enter__(self) -> StepTracker:
@@ -178,8 +194,7 @@ class StepTracker(Recorder):
                 f"a StepTracker is already running on {which}: trackers cannot be nested or run side by side "
                 "(the ops of both would land in both traces); finish the first `with` block before starting another"
             )
-        self._reset_records()
-        self._active = True
+        self.begin()
         self._thread = threading.get_ident()
         # Held from here until the teardown is complete: a Ctrl-C never splits the bookkeeping, a weak-reference
         # callback or the undo of what is installed. It is raised from the tracker's Python hooks (a module's
@@ -192,17 +207,17 @@ class StepTracker(Recorder):
                 memory = MemoryEvents()
                 self._install(lambda: memory.start(), lambda: self._memory_events.append(memory.stop()))
             self._install(
-                lambda: None, checkpointing.add_listener(lambda t: self._mark(t, ACTIVATIONS))
+                lambda: None, checkpointing.add_listener(lambda t: self.mark(t, ACTIVATIONS))
             )  # what a checkpointing policy keeps outside autograd's saved tensors is an activation
             self._register_existing()
-            self._n_baseline = len(self._events)
-            if self.budget_bytes is not None and self._live_bytes > self.budget_bytes:  # the model itself does not fit
-                raise MemoryBudgetExceeded(self.budget_bytes, self._live_bytes, 0, "idle", ROOT, self.live_breakdown())
+            self.close_baseline()
             self._install_hooks()
             mode = _TimedOpWatcher(self) if self.kernel_scratch else _OpWatcher(self)
             self._install(mode.__enter__, lambda: mode.__exit__(None, None, None))
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._install(hooks.__enter__, lambda: hooks.__exit__(None, None, None))
+            for inner in self.inner_modes():  # entered after the tracker's own mode: they see each op first
+                self._install(inner.__enter__, lambda inner=inner: inner.__exit__(None, None, None))
         except BaseException as exc:
             self._teardown()
             if isinstance(exc, MemoryBudgetExceeded):
@@ -248,17 +263,7 @@ class StepTracker(Recorder):
                 except BaseException as e:  # keep undoing the rest; report the first failure afterwards
                     errors.append(e)
             if self._active:
-                self._active = False
-                self._end_ns = time.perf_counter_ns()
-                if not hasattr(self, "_n_baseline"):  # failed while registering what was already alive
-                    self._n_baseline = len(self._events)
-                events = self._memory_events[0] if self._memory_events else None
-                self._scratch_recorded = events is not None
-                if events is not None:
-                    self._splice_scratch(events)
-                self._trace = self._build_trace()
-            self._refs.clear()  # dropping the weak refs also drops their callbacks
-            self._live.clear()
+                self._trace = self.end()
         finally:
             try:
                 self._interrupt.stop()  # gives SIGINT back; raises a Ctrl-C that came in meanwhile
@@ -274,6 +279,52 @@ class StepTracker(Recorder):
             raise RuntimeError("the trace is ready when the `with StepTracker(...)` block has ended")
         return self._trace
 
+    # ---- extension points: override in a subclass (each called as its docstring says) -------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer-state tensors to count as "optimizer_state" (in the optimizer.step module).
+
+        Called on entering (state that already exists) and after every ``optimizer.step()`` (state it made).
+        Default: every tensor in ``self.optimizer.state``.
+        """
+        return optimizer_state_tensors(self.optimizer)
+
+    def on_baseline(self) -> None:
+        """Mark (with :meth:`mark`) storages alive before tracking that the model and optimizer do not hold.
+
+        Called once on entering, after the parameters, buffers, gradients and :meth:`state_tensors` are
+        registered and before the baseline closes (what is marked here counts as alive when tracking began).
+        Default: nothing.
+        """
+
+    def on_optimizer_step(self) -> None:
+        """Called as each ``optimizer.step()`` starts, once the tracker is in the optimizer phase (after the step
+        pre-hooks registered before the tracker). Default: nothing."""
+
+    def inner_modes(self) -> list[TorchDispatchMode]:
+        """Dispatch modes to run inside the tracker's own, entered on entering and exited on leaving.
+
+        Each sees every op first, with its arguments, before the tracker; when it has called the op, the tracker
+        has recorded the op's outputs. Default: none.
+        """
+        return []
+
+    # ---- what is alive before tracking, and the hooks --------------------------------------------------------
+    def _register_existing(self) -> None:
+        for name, p in self.model.named_parameters():
+            self.mark(p, PARAMETERS, self._code(name.rpartition(".")[0] or ROOT))
+        for name, b in self.model.named_buffers():
+            self.mark(b, PARAMETERS, self._code(name.rpartition(".")[0] or ROOT))
+        for p in self.model.parameters():
+            if p.grad is not None:
+                self.mark(p.grad, GRADIENTS)
+        self._mark_optimizer_state()
+        self.on_baseline()
+
+    def _mark_optimizer_state(self) -> None:
+        module = self._code(OPT_STEP)
+        for t in self.state_tensors():
+            self.mark(t, OPTIMIZER_STATE, module)
+
     def _install_hooks(self) -> None:
         root_code = self._code(ROOT)
 
@@ -288,7 +339,7 @@ class StepTracker(Recorder):
             self._module = root_code
             for a in args:
                 if isinstance(a, torch.Tensor):
-                    self._mark(a, INPUTS)
+                    self.mark(a, INPUTS)
 
         def root_post(module, args, output):
             self._module = root_code
@@ -315,9 +366,9 @@ class StepTracker(Recorder):
 
         def grad_landed(p, name):
             self._interrupt.check()  # in backward: raised through autograd like any error of a hook
-            aid = self._mark(p.grad, GRADIENTS)
-            if aid is not None:
-                self._grad_param[aid] = name
+            alloc_id = self.mark(p.grad, GRADIENTS)
+            if alloc_id is not None:
+                self._grad_param[alloc_id] = name
 
         for name, p in self.model.named_parameters():
             if p.requires_grad:
@@ -327,6 +378,7 @@ class StepTracker(Recorder):
             self._interrupt.check()
             self._set_phase(OPTIMIZER)
             self._module = self._code(OPT_STEP)
+            self.on_optimizer_step()
 
         def opt_post(opt, args, kwargs):
             self._interrupt.check()
@@ -383,19 +435,19 @@ class StepTracker(Recorder):
         # was allocated before tracking began (a slice of the dataset, say), not by this op.
         new = kind == ALLOCATES
         if isinstance(out, torch.Tensor):
-            self._aid(out, new=new)
+            self.allocation_id(out, new=new)
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
-                    self._aid(o, new=new)
+                    self.allocation_id(o, new=new)
 
     def _pack(self, t: torch.Tensor):
-        aid = self._aid(t) if self._active else None
-        if aid is not None:
+        alloc_id = self.allocation_id(t) if self._active else None
+        if alloc_id is not None:
             # Data made outside any module before the forward (targets handed straight to a loss, say) and only
             # read by it is an input, not an activation the model produced.
-            self._mark(t, INPUTS if self._a_module[aid] == _OUTSIDE else ACTIVATIONS)
-            self._saved.append((self._step, self._module, tuple(t.shape), t.dtype, t.nbytes, aid))
+            self.mark(t, INPUTS if self._alloc_module[alloc_id] == _OUTSIDE else ACTIVATIONS)
+            self._saved.append(SavedRow(self._step, self._module, tuple(t.shape), t.dtype, t.nbytes, alloc_id))
         # Keep a detached alias, not t itself: when a node saves its own output, holding t (whose grad_fn
         # holds this pack) would make a reference cycle that outlives a graph nobody backpropagates.
         return t.detach(), self._module
