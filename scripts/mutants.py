@@ -182,6 +182,35 @@ MUTANTS = [
         "return 34 * s * b * h + 4 * a * s * s * b",
         ("tests/test_estimate.py::test_textbook_estimates_by_hand",),
     ),
+    Mutant(
+        "saved.every-view-counted",
+        "prediction/saved.py",
+        "out.append(SavedRow(**vars(r), first=j == i, same_as=j))",
+        "out.append(SavedRow(**vars(r), first=True, same_as=j))",
+        ("tests/test_saved.py::test_saved_rows_mark_each_storages_first_saver",),
+    ),
+    Mutant(
+        "saved.blocks-counted-not-numbered",
+        "prediction/saved.py",
+        'n_layer = max((int(k.split(".")[1]) + 1 for k in out if k.startswith("blocks.")), default=0)',
+        'n_layer = len([k for k in out if k.startswith("blocks.")])',
+        ("tests/test_saved.py::test_activations_by_part_is_in_forward_order_whatever_the_rows_order",),
+    ),
+    # ---- will it fit, and the snapshot of the simulated allocator
+    Mutant(
+        "fit.peak-is-the-smallest-phase",
+        "prediction/fit.py",
+        "return max(self.phases, key=lambda p: p.tensors)",
+        "return min(self.phases, key=lambda p: p.tensors)",
+        ("tests/test_prediction.py::test_fit_report_by_hand",),
+    ),
+    Mutant(
+        "snapshot.blocks-at-their-segments-start",
+        "prediction/snapshot.py",
+        "        addr = self.address[b.segment.id] + b.offset\n",
+        "        addr = self.address[b.segment.id]\n",
+        ("tests/test_snapshot.py",),
+    ),
     # ---- activation checkpointing
     Mutant(
         "checkpoint.selective-saves-nothing",
@@ -225,6 +254,13 @@ MUTANTS = [
         "distributed/world.py",
         '"parameters": n_params * param_bytes / (n if stage >= 3 else 1)',
         '"parameters": n_params * param_bytes / (n if stage > 3 else 1)',
+        ("tests/test_closed_form_oracles.py",),
+    ),
+    Mutant(
+        "world.rank-row-communication-low",
+        "distributed/world.py",
+        'communication_peak=int(result.trace.timeline.category("communication").max()),',
+        'communication_peak=int(result.trace.timeline.category("communication").min()),',
         ("tests/test_closed_form_oracles.py",),
     ),
     # ---- the tracker's categories (at most a few: that code is being reworked)

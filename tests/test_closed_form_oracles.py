@@ -59,3 +59,30 @@ def test_zero_stages_by_hand():
     }
     # the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 bytes, 16 per parameter on one rank
     assert sum(zero_model_states("ddp", 10, 1, param_bytes=2, grad_bytes=2, state_bytes=12).values()) == 160
+
+
+def test_rank_row_by_hand():
+    """A rank's row: measured model states beside the ZeRO-1 formula (1000 parameters, 2 ranks: optimizer state
+    8000 / 2), and the most communication memory alive at any moment of its timeline (700 B)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from anatomy_helpers.distributed.world import rank_row
+
+    comm = np.array([0, 700, 300, 0])
+    result = SimpleNamespace(
+        strategy="zero1",
+        rank=1,
+        world_size=2,
+        n_params=1000,
+        model_states={"parameters": 4100, "gradients": 4000, "optimizer_state": 4012, "communication": 300},
+        trace=SimpleNamespace(timeline=SimpleNamespace(category=lambda name: comm)),
+        peak=SimpleNamespace(bytes=20000),
+        max_memory_allocated=None,
+    )
+    row = rank_row(result)
+    assert (row.parameters, row.gradients, row.optimizer_state, row.communication) == (4100, 4000, 4012, 300)
+    assert (row.communication_peak, row.peak) == (700, 20000)
+    assert (row.formula_parameters, row.formula_gradients, row.formula_optimizer_state) == (4000, 4000, 4000)
+    assert row.model_states == 12112 and row.formula_model_states == 12000

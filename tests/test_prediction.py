@@ -227,6 +227,25 @@ def test_bad_requests_are_refused_before_any_dry_run(kwargs, match):
         cheapest_fix(**kwargs)
 
 
+def test_fit_report_by_hand():
+    """The report's peak is the phase with the most tensor bytes; the first failure is the phase the capped
+    allocator ran out in (step 0: the model itself)."""
+    from anatomy_helpers.prediction.fit import FitReport, PhaseNeed
+
+    phases = tuple(
+        PhaseNeed(s, p, t * 2**20, (t + 2) * 2**20, {})
+        for s, p, t in [(1, "forward", 5), (1, "backward", 9), (1, "optimizer", 7), (2, "forward", 8)]
+    )
+    fits = FitReport("toy", "T4", 16 * 2**30, 15 * 2**30, phases, None)
+    assert (fits.peak.step, fits.peak.phase) == (1, "backward") and fits.fits and fits.first_failure is None
+    assert "FITS. Peak 9.00 MiB of tensors (step 1 backward)" in fits.verdict()
+    fails = dataclasses.replace(fits, failure=(2, "forward"))
+    assert fails.first_failure is phases[3] and not fails.fits
+    assert "runs out first in step 2's forward pass" in fails.verdict()
+    model = dataclasses.replace(fits, failure=(0, "idle")).first_failure
+    assert (model.step, model.tensors) == (0, 0)
+
+
 def test_plot_and_panel(capsys):
     report = will_it_fit(ModelConfig(**SMALL), 2, device=CUDA_CONTEXT_BYTES + 2**20)
     fig = plot_fit(report)
