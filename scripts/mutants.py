@@ -269,7 +269,7 @@ MUTANTS = [
         "tracking/recorder.py",
         "            self._mark(b, PARAMETERS, self._code(",
         "            self._mark(b, TEMPORARIES, self._code(",
-        ("tests/test_estimate.py::test_optimizer_state_arrives_between_the_first_and_second_forward",),
+        ("tests/test_tracker_categories.py",),
     ),
     Mutant(
         "events.loss-outside-the-head",
