@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from anatomy_helpers import ModelConfig, make_model, make_optimizer, track_steps
 from anatomy_helpers import train as train_module
+from anatomy_helpers.checkpointing import CHECKPOINT_POLICIES
 from anatomy_helpers.prediction.dryrun import (
     KERNEL_SCRATCH_RULE,
     DryRunError,
@@ -52,6 +53,21 @@ SWEEP = [
 ]
 
 
+#: the choices of the sweep and their defaults (SMALL's, the course's)
+CHOICES = dict(
+    optimizer="adamw",
+    foreach=None,
+    fused=None,
+    attn_impl="manual",
+    dropout=0.0,
+    dtype="float32",
+    autocast=None,
+    checkpoint="none",
+    block="gpt2",
+    tie_embeddings=True,
+)
+
+
 def real_trace(cfg: dict, steps: int) -> Trace:
     """track_steps, the course's loop, with kernel scratch off (the one category a dry run cannot see)."""
     cfg = dict(cfg)
@@ -91,8 +107,22 @@ def assert_same_trace(dry: Trace, real: Trace, in_order: bool = True) -> None:
         np.testing.assert_array_equal(dry.timeline.category(c), real.timeline.category(c))
 
 
-def test_sweep_has_at_least_20_configurations():
-    assert len(SWEEP) >= 20
+def test_the_sweep_covers_every_choice_a_dry_run_must_follow():
+    """Each value of each choice appears in some configuration (a sweep that lost one would no longer test it)."""
+    seen = {k: {c.get(k, default) for c in SWEEP} for k, default in CHOICES.items()}
+    assert seen == {
+        "optimizer": {"adamw", "adam", "sgd", "momentum"},
+        "foreach": {None, True},
+        "fused": {None, True},
+        "attn_impl": {"manual", "sdpa"},
+        "dropout": {0.0, 0.1},
+        "dtype": {"float32", "bfloat16"},
+        "autocast": {None, "bfloat16"},
+        "checkpoint": set(CHECKPOINT_POLICIES),
+        "block": {"gpt2", "llama"},
+        "tie_embeddings": {True, False},
+    }
+    assert {c["optimizer"] for c in SWEEP if c.get("fused")} == {"adamw", "adam", "sgd"}  # each fused CPU kernel
 
 
 @pytest.mark.parametrize("cfg", SWEEP, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")

@@ -1,6 +1,7 @@
 """Lesson 04's own helpers: the step peak table, optimizer-state births, the replay summary, the allocator plots
 and the two slider panels."""
 
+import pytest
 import torch
 
 from anatomy_helpers.lessons.first_step import (
@@ -13,10 +14,11 @@ from anatomy_helpers.lessons.first_step import (
     step_peak_table,
 )
 from anatomy_helpers.plots import CourseFigure
-from anatomy_helpers.prediction.allocator import allocator_at, replay, summarize_replay
+from anatomy_helpers.prediction.allocator import allocator_at, replay
 from anatomy_helpers.tracking.trace import CATEGORIES
 
 from .conftest import SMALL, make_record, storage_bytes
+from .test_trace_oracles import hand_trace
 
 MiB = 2**20
 
@@ -31,17 +33,24 @@ def test_optimizer_state_is_born_in_step_one(small_run):
     assert optimizer_state_births(trace, 2) == (0, 0)
 
 
-def test_step_peak_table_has_a_line_per_step(small_trace):
+def test_step_peak_table_of_a_hand_made_trace():
+    # test_trace_oracles' design: step 1 peaks at 17 MiB in its optimizer phase (state 4, gradients 2.5, a 0.5 MiB
+    # temporary), step 2 at 20 MiB in its forward (6 MiB of activations beside the state)
+    lines = step_peak_table(hand_trace()).splitlines()
+    assert "optimizer state" in lines[0] and lines[0].endswith("(MiB)")
+    assert [line.split() for line in lines[2:]] == [
+        ["1", "17.00", "optimizer,", "optimizer.step", "10.00", "4.00", "2.50", "0.00", "0.50", "0.00"],
+        ["2", "20.00", "forward,", "blocks.0", "10.00", "4.00", "0.00", "6.00", "0.00", "0.00"],
+    ]
+
+
+def test_step_peak_table_reads_the_timeline(small_trace):
+    tl = small_trace.timeline
     lines = step_peak_table(small_trace).splitlines()
     assert len(lines) == 2 + 3
-    assert "optimizer state" in lines[0] and lines[0].endswith("(MiB)")
     for s, line in zip((1, 2, 3), lines[2:]):
-        pk = small_trace.peak(step=s)
-        assert line.split()[:2] == [str(s), f"{pk.bytes / MiB:.2f}"]
-        assert line.split()[-6:] == [
-            f"{pk.breakdown[c] / MiB:.2f}"
-            for c in ("parameters", "optimizer_state", "gradients", "activations", "temporaries", "inputs")
-        ]
+        highest = tl.total[tl.step == s].max()  # the step's highest sample, straight from the timeline
+        assert line.split()[:2] == [str(s), f"{highest / MiB:.2f}"]
 
 
 def test_format_replay_summary_hand_made():
@@ -57,13 +66,16 @@ def test_format_replay_summary_hand_made():
     ]
 
 
-def test_format_replay_summary_rows(small_trace):
+def test_format_replay_summary_adds_up_to_the_replay(small_trace):
     result = replay(small_trace.allocation_record())
-    lines = format_replay_summary(result).splitlines()
-    rows = summarize_replay(result)
-    assert len(lines) == 2 + len(rows)
-    for row, line in zip(rows[1:], lines[3:]):
-        assert line.split()[:2] == [str(row.step), str(row.segments_created)]
+    rows = [line.split() for line in format_replay_summary(result).splitlines()[2:]]
+    # step 0: what was alive at the start; then every step with events (the trailing idle one included)
+    assert [r[0] for r in rows] == ["0", *map(str, small_trace.steps)] and rows[0][1] == "(start)"
+    rows[0].pop(1)
+    # every cudaMalloc of the replay falls in exactly one step; the last step ends with what the replay ends with
+    assert sum(int(r[1]) for r in rows) == result.segments_created[-1]
+    assert rows[-1][2] == f"{result.reserved[-1] / MiB:.2f}"
+    assert max(float(r[3]) for r in rows) == pytest.approx(result.allocated.max() / MiB, abs=0.005)
 
 
 def test_plots_are_course_figures(small_trace):
@@ -88,8 +100,12 @@ def test_segment_map_of_a_hand_made_record():
 
 def test_panels_print_and_plot(capsys):
     fig = allocator_panel(batch_size=2, steps=2, device="cpu", **SMALL)
-    assert isinstance(fig, CourseFigure)
+    assert fig.axes[0].get_title() == "batch 2: simulated reserved vs allocated"
+    # SMALL's parameters (4 B x 105,920) and AdamW's two moments (8 B x 105,920) alone are 1.21 MiB: over a
+    # 1 MiB budget by step 1's optimizer phase at the latest; 100 MiB holds every step many times over
     fig = budget_panel(budget_mib=1, batch_size=2, steps=2, device="cpu", **SMALL)
-    assert isinstance(fig, CourseFigure)
+    assert fig.axes[0].get_title() == "adamw, batch 2, checkpoint none: out of budget in step 1"
+    fig = budget_panel(budget_mib=100, batch_size=2, steps=2, device="cpu", **SMALL)
+    assert fig.axes[0].get_title() == "adamw, batch 2, checkpoint none: every step fits"
     out = capsys.readouterr().out
-    assert "batch 2: tracked peak" in out and "budget 1.00 MiB" in out
+    assert "batch 2: tracked peak" in out and "budget 1.00 MiB: step 1 FAILED" in out

@@ -36,6 +36,20 @@ def test_snapshot_of_a_hand_made_replay_reads_in_memory_viz():
     assert text.count("cudaMalloc(") == 1 and "del " in text
 
 
+def test_trace_events_address_each_block_in_its_segment():
+    # 3 MiB then 2 MiB cut from one 20 MiB segment (the second block starts where the first ends), then the first
+    # freed: memory_viz places every event by its address, so each must point at its own block
+    snap = snapshot_from_replay(make_record([(1, 0, 3 * MiB), (1, 1, 2 * MiB), (1, 0, -3 * MiB)]))
+    base = snap["segments"][0]["address"]
+    assert [(e["action"], e["addr"] - base, e["size"]) for e in snap["device_traces"][0]] == [
+        ("segment_alloc", 0, 20 * MiB),
+        ("alloc", 0, 3 * MiB),
+        ("alloc", 3 * MiB, 2 * MiB),
+        ("free_requested", 0, 3 * MiB),
+        ("free_completed", 0, 3 * MiB),
+    ]
+
+
 def test_snapshot_counts_an_unsplit_remainder_as_internal_free_memory():
     # 19 MiB in a 20 MiB segment: the 1 MiB left is not split off, so the block is 20 MiB for 19 MiB requested.
     snap = snapshot_from_replay(make_record([(1, 0, 19 * MiB)]))

@@ -1,0 +1,387 @@
+"""Named mutants of the course's central logic, each of which the unit tests must kill.
+
+A mutant is one deliberate bug: an exact snippet of a package file replaced by a wrong one (a peak that takes the
+second-highest sample, an allocator that never reuses a cached block, a closed form that drops a term). For each
+mutant this script copies the package and the tests to a temporary folder, applies the mutant there (the working
+tree is never touched), runs the unit tests the mutant names with ``pytest -x -q`` on one thread, and says whether
+they failed (killed: good) or passed (survived: a hole in the tests). It prints a table and the score, and exits
+non-zero if any mutant survived or if a mutant's snippet is not found exactly once in the current source (the list
+is kept up to date with the code: ``tests/test_mutants.py`` checks the snippets on every test run).
+
+    python scripts/mutants.py              # every mutant (a few minutes)
+    python scripts/mutants.py --list       # the names, files and tests, nothing run
+    python scripts/mutants.py --only trace.peak-second-highest --only alloc.round-to-256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = "anatomy_helpers"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to anatomy_helpers/
+    original: str  # must occur exactly once in the file
+    replacement: str
+    tests: tuple[str, ...]  # pytest arguments (files or node ids) that must fail with the mutant in place
+
+
+TRACE, ALLOC, EST = "tracking/trace.py", "prediction/allocator.py", "prediction/estimate.py"
+T_TRACE = ("tests/test_trace_oracles.py",)
+T_ALLOC = ("tests/test_allocator.py",)
+T_EST = ("tests/test_estimate.py::test_block_terms_name_the_big_tensors_by_hand", "tests/test_closed_form_oracles.py")
+T_CKPT = ("tests/test_checkpointing.py",)
+
+MUTANTS = [
+    # ---- the trace: peaks, phase peaks, windows, moments
+    Mutant(
+        "trace.peak-second-highest",
+        TRACE,
+        "return self._peak_at(int(idx[np.argmax(self.timeline.total[idx])]))",
+        'return self._peak_at(int(idx[np.argsort(self.timeline.total[idx], kind="stable")[-min(2, len(idx))]]))',
+        T_TRACE,
+    ),
+    Mutant("trace.phase-peak-ignores-moment-before", TRACE, "first = max(start - 1, 0)", "first = start", T_TRACE),
+    Mutant(
+        "trace.window-phase-or-later",
+        TRACE,
+        "mask &= self.timeline.phase == PHASES.index(phase)",
+        "mask &= self.timeline.phase >= PHASES.index(phase)",
+        T_TRACE,
+    ),
+    Mutant(
+        "trace.phase-run-ends-one-late",
+        TRACE,
+        "ends = np.r_[starts[1:] - 1, len(tl) - 1]",
+        "ends = np.r_[starts[1:], len(tl) - 1]",
+        T_TRACE,
+    ),
+    Mutant(
+        "trace.optimizer-phase-ignores-moment-before",
+        TRACE,
+        "if totals.max() > sum(before.values()) else",
+        "if True else",
+        T_TRACE,
+    ),
+    Mutant(
+        "trace.alive-at-one-sample-early",
+        TRACE,
+        "np.add.at(alive, self.alloc_ids[: index + 1], self.alloc_deltas[: index + 1])",
+        "np.add.at(alive, self.alloc_ids[:index], self.alloc_deltas[:index])",
+        T_TRACE,
+    ),
+    # ---- the caching-allocator simulator: rounding, pools, splitting, reuse, merging, the cap
+    Mutant(
+        "alloc.round-to-256",
+        ALLOC,
+        "return max(MIN_BLOCK, round_up(nbytes, MIN_BLOCK))",
+        "return max(MIN_BLOCK, round_up(nbytes, 256))",
+        T_ALLOC,
+    ),
+    Mutant(
+        "alloc.1MiB-goes-to-large-pool",
+        ALLOC,
+        'pool = "small" if size <= SMALL_REQUEST else "large"',
+        'pool = "small" if size < SMALL_REQUEST else "large"',
+        T_ALLOC,
+    ),
+    Mutant(
+        "alloc.large-remainder-of-1MiB-split",
+        ALLOC,
+        "(remaining > SMALL_REQUEST)",
+        "(remaining >= SMALL_REQUEST)",
+        T_ALLOC,
+    ),
+    Mutant(
+        "alloc.10MiB-shares-a-20MiB-segment",
+        ALLOC,
+        "if rounded < MIN_LARGE_ALLOC:",
+        "if rounded <= MIN_LARGE_ALLOC:",
+        T_ALLOC,
+    ),
+    Mutant(
+        "alloc.cached-blocks-never-reused",
+        ALLOC,
+        "i = bisect_left(free, (size, -1, -1))",
+        "i = len(free)",
+        T_ALLOC,
+    ),
+    Mutant(
+        "alloc.no-merge-with-previous-block",
+        ALLOC,
+        "if i > 0 and blocks[i - 1].free:",
+        "if False:",
+        T_ALLOC,
+    ),
+    Mutant(
+        "alloc.allocated-counts-request-not-block",
+        ALLOC,
+        "self.allocated += block.size  # the whole block",
+        "self.allocated += size  # the whole block",
+        T_ALLOC,
+    ),
+    Mutant(
+        "alloc.cap-without-cache-flush",
+        ALLOC,
+        "            self.empty_cache()\n            self.cache_flushes += 1",
+        "            self.cache_flushes += 1",
+        T_ALLOC,
+    ),
+    # ---- the closed form and the textbook formulas
+    Mutant(
+        "estimate.out-proj-input-dropped",
+        EST,
+        'terms["attn.proj"] = 0 if fused and not llama else N * h * e',
+        'terms["attn.proj"] = 0',
+        T_EST,
+    ),
+    Mutant(
+        "estimate.dropout-noise-halved",
+        EST,
+        'attn_noise = scores * e if dropout and cfg.attn_impl == "manual" else 0',
+        'attn_noise = scores * e // 2 if dropout and cfg.attn_impl == "manual" else 0',
+        T_EST,
+    ),
+    Mutant(
+        "estimate.tied-sum-dropped",
+        EST,
+        'moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)',
+        'moments["embedding"] = G + (max(grad_out, V * h * e) if tied else grad_out)',
+        T_EST,
+    ),
+    Mutant(
+        "estimate.adam-step-counters-dropped",
+        EST,
+        "return 2 * p + 4 * n_param_tensors(cfg)",
+        "return 2 * p",
+        ("tests/test_estimate.py::test_model_states_by_hand",),
+    ),
+    Mutant(
+        "estimate.for-loop-adam-forgets-previous-denom",
+        EST,
+        "return max(prev + 2 * n for prev, n in zip([0] + sizes, sizes)) * _elt(cfg)",
+        "return max(2 * n for n in sizes) * _elt(cfg)",
+        T_EST,
+    ),
+    Mutant(
+        "formulas.korthikanti-5as-becomes-4as",
+        "prediction/formulas.py",
+        "return 34 * s * b * h + 5 * a * s * s * b",
+        "return 34 * s * b * h + 4 * a * s * s * b",
+        ("tests/test_estimate.py::test_textbook_estimates_by_hand",),
+    ),
+    Mutant(
+        "saved.every-view-counted",
+        "prediction/saved.py",
+        "out.append(SavedRow(**vars(r), first=j == i, same_as=j))",
+        "out.append(SavedRow(**vars(r), first=True, same_as=j))",
+        ("tests/test_saved.py::test_saved_rows_mark_each_storages_first_saver",),
+    ),
+    Mutant(
+        "saved.blocks-counted-not-numbered",
+        "prediction/saved.py",
+        'n_layer = max((int(k.split(".")[1]) + 1 for k in out if k.startswith("blocks.")), default=0)',
+        'n_layer = len([k for k in out if k.startswith("blocks.")])',
+        ("tests/test_saved.py::test_activations_by_part_is_in_forward_order_whatever_the_rows_order",),
+    ),
+    # ---- will it fit, and the snapshot of the simulated allocator
+    Mutant(
+        "fit.peak-is-the-smallest-phase",
+        "prediction/fit.py",
+        "return max(self.phases, key=lambda p: p.tensors)",
+        "return min(self.phases, key=lambda p: p.tensors)",
+        ("tests/test_prediction.py::test_fit_report_by_hand",),
+    ),
+    Mutant(
+        "snapshot.blocks-at-their-segments-start",
+        "prediction/snapshot.py",
+        "        addr = self.address[b.segment.id] + b.offset\n",
+        "        addr = self.address[b.segment.id]\n",
+        ("tests/test_snapshot.py",),
+    ),
+    # ---- activation checkpointing
+    Mutant(
+        "checkpoint.selective-saves-nothing",
+        "checkpointing.py",
+        "        return CheckpointPolicy.MUST_SAVE",
+        "        return CheckpointPolicy.PREFER_RECOMPUTE",
+        T_CKPT,
+    ),
+    Mutant(
+        "checkpoint.every-k-segments-of-one-block",
+        "checkpointing.py",
+        'size = 1 if policy == "full" else every',
+        "size = 1",
+        T_CKPT,
+    ),
+    # ---- the dry run: fake parameters, fake kernels checked against real ones
+    Mutant(
+        "dryrun.shared-storages-made-twice",
+        "prediction/dryrun.py",
+        "if key in storages:  # a view of a storage already made",
+        "if False:  # a view of a storage already made",
+        ("tests/test_dryrun_modules.py::test_tied_weights_and_shared_buffers_equal_their_real_run",),
+    ),
+    Mutant(
+        "fake_check.differences-ignored",
+        "prediction/fake_check.py",
+        "if error is None and real == call.outcome:",
+        "if error is None:",
+        ("tests/test_dryrun_modules.py::test_an_op_whose_fake_kernel_differs_is_refused_by_name",),
+    ),
+    # ---- distributed: the ZeRO formulas
+    Mutant(
+        "world.zero1-shards-gradients",
+        "distributed/world.py",
+        '"gradients": n_params * grad_bytes / (n if stage >= 2 else 1)',
+        '"gradients": n_params * grad_bytes / (n if stage >= 1 else 1)',
+        ("tests/test_closed_form_oracles.py",),
+    ),
+    Mutant(
+        "world.zero3-keeps-whole-parameters",
+        "distributed/world.py",
+        '"parameters": n_params * param_bytes / (n if stage >= 3 else 1)',
+        '"parameters": n_params * param_bytes / (n if stage > 3 else 1)',
+        ("tests/test_closed_form_oracles.py",),
+    ),
+    Mutant(
+        "world.rank-row-communication-low",
+        "distributed/world.py",
+        'communication_peak=int(result.trace.timeline.category("communication").max()),',
+        'communication_peak=int(result.trace.timeline.category("communication").min()),',
+        ("tests/test_closed_form_oracles.py",),
+    ),
+    # ---- the tracker's categories (at most a few: that code is being reworked)
+    Mutant(
+        "recorder.buffers-not-parameters",
+        "tracking/recorder.py",
+        "            self._mark(b, PARAMETERS, self._code(",
+        "            self._mark(b, TEMPORARIES, self._code(",
+        ("tests/test_tracker_categories.py",),
+    ),
+    Mutant(
+        "events.loss-outside-the-head",
+        "tracking/events.py",
+        '_HEAD_MODULES = ("ln_f", "lm_head", ROOT)',
+        '_HEAD_MODULES = ("ln_f", "lm_head")',
+        ("tests/test_trace.py::test_model_part_names_the_parts_in_forward_order",),
+    ),
+]
+
+
+def check_snippets(mutants=MUTANTS, root: Path = ROOT) -> list[str]:
+    """One line per mutant whose original snippet is not found exactly once (or whose file is gone)."""
+    problems = []
+    names = [m.name for m in mutants]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"{dup}: two mutants have this name")
+    for m in mutants:
+        path = root / PKG / m.file
+        if not path.exists():
+            problems.append(f"{m.name}: {PKG}/{m.file} does not exist")
+            continue
+        count = path.read_text().count(m.original)
+        if count != 1:
+            problems.append(f"{m.name}: its original snippet occurs {count} times in {PKG}/{m.file}, not once")
+        if m.original == m.replacement:
+            problems.append(f"{m.name}: the replacement is the original")
+    return problems
+
+
+def _copy_tree(dest: Path) -> None:
+    """What the unit tests need: the package, the tests, the project's configuration."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in (PKG, "tests"):
+        shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
+    for name in ("pyproject.toml",):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+
+
+def _killer(output: str) -> str:
+    """The first failing test pytest names in its -q summary (or the last line, for an error)."""
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split()[1].split(" - ")[0]
+    lines = [x for x in output.splitlines() if x.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def run_mutant(m: Mutant, tree: Path, timeout_s: float) -> tuple[bool, str, float]:
+    """Apply ``m`` in ``tree``, run its tests, restore the file: (killed, by which test, seconds)."""
+    path = tree / PKG / m.file
+    source = path.read_text()
+    path.write_text(source.replace(m.original, m.replacement, 1))
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *m.tests]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+        seconds = time.perf_counter() - start
+        if proc.returncode == 0:
+            return False, "-", seconds
+        if proc.returncode in (4, 5):  # usage error / nothing collected: the test list is wrong, not a kill
+            raise SystemExit(f"mutant {m.name}: pytest could not run {m.tests}:\n{proc.stdout[-2000:]}")
+        return True, _killer(proc.stdout), seconds
+    except subprocess.TimeoutExpired:
+        return True, f"(timed out after {timeout_s:.0f} s)", time.perf_counter() - start
+    finally:
+        path.write_text(source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutant (repeatable)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant (default 600)")
+    args = parser.parse_args(argv)
+
+    problems = check_snippets()
+    if problems:
+        print("The mutant list is stale (fix MUTANTS in scripts/mutants.py):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 2
+    chosen = MUTANTS
+    if args.only:
+        unknown = sorted(set(args.only) - {m.name for m in MUTANTS})
+        if unknown:
+            print(f"no mutant named {', '.join(unknown)}; --list shows them", file=sys.stderr)
+            return 2
+        chosen = [m for m in MUTANTS if m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:48s} {PKG}/{m.file:26s} {' '.join(m.tests)}")
+        return 0
+
+    width = max(len(m.name) for m in chosen)
+    print(f"{'mutant':{width}s}  {'result':8s}  {'seconds':>7s}  killed by")
+    print("-" * (width + 40))
+    killed = 0
+    with tempfile.TemporaryDirectory(prefix="anatomy_mutants_") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        for m in chosen:
+            dead, by, seconds = run_mutant(m, tree, args.timeout)
+            killed += dead
+            print(f"{m.name:{width}s}  {'killed' if dead else 'SURVIVED':8s}  {seconds:7.1f}  {by}", flush=True)
+    print("-" * (width + 40))
+    print(f"score: {killed}/{len(chosen)} mutants killed ({100 * killed / len(chosen):.0f} %)")
+    return 0 if killed == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
