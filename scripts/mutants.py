@@ -265,11 +265,47 @@ MUTANTS = [
     ),
     # ---- the tracker's categories (at most a few: that code is being reworked)
     Mutant(
-        "recorder.buffers-not-parameters",
-        "tracking/recorder.py",
-        "            self._mark(b, PARAMETERS, self._code(",
-        "            self._mark(b, TEMPORARIES, self._code(",
+        "tracker.buffers-not-parameters",
+        "tracking/tracker.py",
+        "            self.mark(b, PARAMETERS, self._code(",
+        "            self.mark(b, TEMPORARIES, self._code(",
         ("tests/test_tracker_categories.py",),
+    ),
+    Mutant(
+        "events.precedence-reversed",
+        "tracking/events.py",
+        "    return min(current, other, key=CATEGORY_PRECEDENCE.index)",
+        "    return max(current, other, key=CATEGORY_PRECEDENCE.index)",
+        ("tests/test_recorder.py",),
+    ),
+    # ---- the one training step and the ranks that run it
+    Mutant(
+        "step.micro-batch-loss-not-divided",
+        "step.py",
+        "plan.loss(model, part) if k == 1 else plan.loss(model, part) / k",
+        "plan.loss(model, part)",
+        ("tests/test_step.py", "tests/test_accumulation.py"),
+    ),
+    Mutant(
+        "step.every-rank-trains-rank-0s-rows",
+        "step.py",
+        "t[plan.rank * local : (plan.rank + 1) * local].clone()",
+        "t[0:local].clone()",
+        ("tests/test_step.py",),
+    ),
+    Mutant(
+        "ranks.fsdp-gradients-not-marked",
+        "distributed/ranks.py",
+        "                    self.mark(p.grad, GRADIENTS)",
+        "                    pass",
+        ("tests/test_recorder.py", "tests/test_distributed.py"),
+    ),
+    Mutant(
+        "ranks.collective-arguments-not-communication",
+        "distributed/ranks.py",
+        "                self.mark(t, COMMUNICATION)\n        outs",
+        "                pass\n        outs",
+        ("tests/test_recorder.py", "tests/test_distributed.py"),
     ),
     Mutant(
         "events.loss-outside-the-head",
