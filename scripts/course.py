@@ -1,7 +1,7 @@
 """Set the course up once, then open JupyterLab or run the tests, on Linux, macOS and Windows.
 
     python scripts/course.py lab [--executed] [JUPYTER ARGS]   # set up if needed, open the learner notebooks
-    python scripts/course.py test [PYTEST ARGS]                 # set up with the development tools, ruff + pytest
+    python scripts/course.py test [--quick] [PYTEST ARGS]       # set up with the development tools, ruff + pytest
     python scripts/course.py setup [--dev]                      # only set up
 
 Options, before or after the command:
@@ -11,6 +11,8 @@ Options, before or after the command:
                         works; a torch that is already installed is always kept)
 
 `bash scripts/lab.sh` / `scripts\\lab.cmd` and `bash scripts/test.sh` / `scripts\\test.cmd` call this script.
+
+JupyterLab's kernels and the tests get a passive OpenMP wait policy (see ``openmp_env``).
 
 Set up once, then launch offline: setup installs into the environment and writes a stamp there; later runs compare
 the stamp with the requirement files and touch neither pip nor the network while they match. Standard library only
@@ -199,6 +201,18 @@ def torch_summary(env: Env) -> None:
     subprocess.run([str(env.python), "-c", code], check=True)
 
 
+def openmp_env(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` with OMP_WAIT_POLICY=PASSIVE unless it sets one: for JupyterLab (its kernels inherit it) and pytest.
+
+    torch's CPU kernels run on OpenMP threads that by default spin while they wait for the next parallel region.
+    Where every core is busy (a laptop with a browser and a video call, the suite's two workers) a spinning thread
+    holds a core another one needs: a notebook ran 3-5x slower beside two busy processes, and close to its idle time
+    with the passive policy (benchmarks/notebook_times.py measures it). libgomp reads the variable once, when torch is
+    imported, so it has to be in the environment the kernel starts with.
+    """
+    return {"OMP_WAIT_POLICY": "PASSIVE", **environ}
+
+
 def lab_command(env: Env, executed: bool, extra: list[str]) -> list[str]:
     """The JupyterLab command line that `lab` runs (from the repository root)."""
     folder = ROOT / ("notebooks" if executed else "learner")
@@ -215,9 +229,9 @@ def run_lab(env: Env, executed: bool, extra: list[str]) -> int:
         # terminal reach the server itself: a wrapper in between would die and leave the server running on its port.
         sys.stdout.flush()
         os.chdir(ROOT)
-        os.execv(cmd[0], cmd)
+        os.execve(cmd[0], cmd, openmp_env(dict(os.environ)))
     try:  # Windows has no exec; Ctrl+C reaches every process of the console, JupyterLab included
-        return subprocess.run(cmd, cwd=ROOT).returncode
+        return subprocess.run(cmd, cwd=ROOT, env=openmp_env(dict(os.environ))).returncode
     except KeyboardInterrupt:
         return 0
 
@@ -243,11 +257,21 @@ def prepare_browser(env: Env) -> None:
     subprocess.run([str(env.python), "-c", code], cwd=ROOT / "scripts")  # its import path: scripts/
 
 
-def run_tests(env: Env, extra: list[str]) -> int:
+def pytest_targets(quick: bool) -> list[str]:
+    """What pytest runs: the unit tests and the delivery tests, and every notebook through nbval; ``quick``: the unit
+    tests alone (no notebooks, `-m "not delivery"`), for contributors while they work."""
+    if quick:
+        return ["-m", "not delivery", "tests"]
+    return ["--nbval", "--nbval-current-env", "--nbval-sanitize-with", "tests/nbval_sanitize.cfg", "tests", "notebooks"]
+
+
+def run_tests(env: Env, extra: list[str], quick: bool = False) -> int:
     torch_summary(env)
-    if runs_browser_test(extra):
+    if not quick and runs_browser_test(extra):
         prepare_browser(env)
-    test_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYDEVD_DISABLE_FILE_VALIDATION="1", MPLBACKEND="Agg")
+    test_env = openmp_env(
+        dict(os.environ, CUDA_VISIBLE_DEVICES="", PYDEVD_DISABLE_FILE_VALIDATION="1", MPLBACKEND="Agg")
+    )  # the xdist workers and the nbval kernels inherit it
     # nbval compares against the stored CPU outputs, so the suite runs on CPU even on a GPU machine;
     # scripts/gpu_check.py covers CUDA.
     # Two workers on two cores (pytest-xdist; each file, so each notebook, stays on one worker): the delivery tests
@@ -256,15 +280,14 @@ def run_tests(env: Env, extra: list[str]) -> int:
     parallel = ["-n", str(min(workers, 4)), "--dist", "loadfile"] if workers > 1 and env_has(env, "xdist") else []
     steps = [
         [str(env.python), "-m", "ruff", "check", "."],
-        [str(env.python), "-m", "pytest", "-q", "-rs", "--durations=12", *parallel, "--nbval", "--nbval-current-env",
-         "--nbval-sanitize-with", "tests/nbval_sanitize.cfg", "tests", "notebooks", *extra],
+        [str(env.python), "-m", "pytest", "-q", "-rs", "--durations=12", *parallel, *pytest_targets(quick), *extra],
     ]  # fmt: skip
     start = time.perf_counter()
     for cmd in steps:
         rc = subprocess.run(cmd, cwd=ROOT, env=test_env).returncode
         if rc:
             return rc
-    print(f"whole suite (ruff + pytest): {time.perf_counter() - start:.0f} s")
+    print(f"{'unit tests' if quick else 'whole suite'} (ruff + pytest): {time.perf_counter() - start:.0f} s")
     return 0
 
 
@@ -296,6 +319,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p_lab = sub.add_parser("lab", help="set up if needed and open JupyterLab")
     p_lab.add_argument("--executed", action="store_true", help="open notebooks/ (with outputs) instead of learner/")
     p_test = sub.add_parser("test", help="set up with the development tools if needed, then ruff + pytest")
+    quick = "ruff and the unit tests only: no notebooks, no delivery tests (about 2 minutes)"
+    p_test.add_argument("--quick", action="store_true", help=quick)
     for p in (p_setup, p_lab, p_test):
         add_options(p, defaults=False)  # also after the command: `bash scripts/lab.sh --here`
     args, extra = parser.parse_known_args(argv)
@@ -318,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_setup(env, dev=dev, gpu=gpu, wheelhouse=wheelhouse)
     if args.command == "lab":
         return run_lab(env, args.executed, extra)
-    return run_tests(env, extra)
+    return run_tests(env, extra, quick=args.quick)
 
 
 if __name__ == "__main__":

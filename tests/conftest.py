@@ -1,11 +1,16 @@
 import os
 
-import numpy as np
-import pytest
-import torch
+# Before torch is imported (libgomp reads it once, at load): OpenMP threads sleep instead of spinning while they wait,
+# so the two xdist workers and the nbval kernels they start (which inherit it) do not take cores from each other.
+# scripts/course.py sets it for `test.sh`; this covers a plain `pytest`. A value already set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.tracking.trace import AllocationRecord
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from anatomy_helpers import make_model, make_optimizer, track_steps  # noqa: E402
+from anatomy_helpers.tracking.trace import AllocationRecord  # noqa: E402
 
 # One torch thread per xdist worker when scripts/test.sh runs two workers on two cores: two threads each would
 # oversubscribe the cores, and OpenMP's waiting threads made the unit tests a third slower. Alone: two, as CI has.

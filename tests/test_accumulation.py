@@ -5,13 +5,13 @@ import torch
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
 
-from .conftest import SMALL, numel
+from .conftest import SMALL, THREADS, numel
 
 
 @pytest.fixture(scope="module")
 def runs():
     """{k: (model, trace)} of two tracked AdamW steps at global batch 8 in k micro-batches."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)  # module fixtures run before the autouse one: the same threads as the tests
     out = {}
     for k in (1, 2, 4):
         model = make_model(device="cpu", **SMALL)

@@ -45,7 +45,7 @@ from anatomy_helpers.lessons.checkpointing_kept import (
 from anatomy_helpers.prediction.formulas import korthikanti_layer_bytes, korthikanti_terms
 from anatomy_helpers.step import step_flops
 from anatomy_helpers.tracking.trace import CATEGORIES
-from tests.conftest import SMALL
+from tests.conftest import SMALL, THREADS
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 B = 4  # batch
@@ -86,7 +86,7 @@ def test_every_k_accepts_the_whole_range():
 @pytest.fixture(scope="module")
 def runs():
     """Two tracked AdamW steps of the FOUR model under each policy of the line-up (rows and traces)."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)  # module fixtures run before the autouse one: the same threads as the tests
     return measure_policies(lineup(), steps=2, batch_size=B, device="cpu", **FOUR)
 
 

@@ -76,6 +76,9 @@ def test_first_cell_installs_like_colab_and_picks_the_device(nb):
     assert "torch" not in colab and "-e" not in colab.split(",") and "--upgrade" not in colab
     assert "device = pick_device()" in first and 'print(f"Using device: {device}")' in first
     assert "Change runtime type" in first  # a CPU runtime on Colab is told how to get the GPU
+    policy = 'os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")'  # OpenMP threads sleep, not spin, on a busy laptop
+    before = first.split(policy)[0] if policy in first else pytest.fail(f"the first cell lacks {policy}")
+    assert not re.search(r"^(import|from) (torch|anatomy_helpers)", before, re.M)  # libgomp reads it as torch loads
     meta = json.loads(nb.read_text())["metadata"]
     assert meta["accelerator"] == "GPU" and meta["colab"]["gpuType"] == "T4"  # Colab opens it on a GPU runtime
 

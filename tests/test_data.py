@@ -108,7 +108,9 @@ def test_bad_seeds_are_refused(seed):
 def test_loss_goes_down_on_the_default_config():
     model = make_model(device="cpu")
     opt = make_optimizer(model, "adamw")
-    losses = [train_step(model, opt, *get_batch(8, model.cfg.seq_len, step=i)) for i in range(30)]
+    # Batch 4, 15 steps: a quarter of the tokens of the 8 x 30 this test once ran, and the same plateau (3.13 after
+    # 15 steps as after 30; the first 5 average 3.54): the default config's full sequence length and every layer.
+    losses = [train_step(model, opt, *get_batch(4, model.cfg.seq_len, step=i)) for i in range(15)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.3, (first, last)
     # better than guessing uniformly among the characters, ln(vocab), by a clear margin

@@ -31,13 +31,13 @@ from anatomy_helpers.prediction.saved import (
     saved_rows,
 )
 
-from .conftest import SMALL
+from .conftest import SMALL, THREADS
 from .test_saved import fp32_layer_bytes, fp32_outside_bytes
 
 
 @pytest.fixture(scope="module")
 def fp32_forward():
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)  # module fixtures run before the autouse one: the same threads as the tests
     model = make_model(device="cpu", **SMALL)
     trace, x, y = track_forward(model, batch_size=3)
     named = attach_ops(saved_rows(trace), saved_by_op(model, x, y))

@@ -12,6 +12,8 @@ import pytest
 from .lab_server import port_open, serving
 from .test_course import ROOT, load_script
 
+pytestmark = pytest.mark.delivery  # starts JupyterLab: `-m "not delivery"` (and test.sh --quick) leave it out
+
 course = load_script("course")
 
 

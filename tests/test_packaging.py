@@ -5,6 +5,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.delivery  # a pip install: `-m "not delivery"` (and test.sh --quick) leave it out
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

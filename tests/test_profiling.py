@@ -41,7 +41,7 @@ from anatomy_helpers.tracking.profiler import (
 )
 from anatomy_helpers.tracking.trace import CATEGORIES, PHASES
 
-from .conftest import SMALL
+from .conftest import SMALL, THREADS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -177,7 +177,7 @@ def test_quiet_profiler_around_a_real_profile(capfd):
 @pytest.fixture(scope="module")
 def profiled():
     """(profiled run, tracker trace, model) for two AdamW steps of the SMALL model, batch 4, built the same way."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)  # module fixtures run before the autouse one: the same threads as the tests
     model = make_model(device="cpu", **SMALL)
     run = profile_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=4)
     twin = make_model(device="cpu", **SMALL)

@@ -35,7 +35,7 @@ from anatomy_helpers.prediction.saved import (
 )
 from anatomy_helpers.tracking.trace import SavedTensor
 
-from .conftest import SMALL
+from .conftest import SMALL, THREADS
 
 
 def fp32_layer_bytes(s: int, b: int, h: int, a: int) -> int:
@@ -66,7 +66,7 @@ def value_at(line: str, end: int) -> str:
 @pytest.fixture(scope="module")
 def fp32_forward():
     """One tracked forward (loss included) of the SMALL fp32 model at batch 3, and its rows with ops attached."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)  # module fixtures run before the autouse one: the same threads as the tests
     model = make_model(device="cpu", **SMALL)
     x, y = get_batch(3, SMALL["seq_len"], seed=0)
     with StepTracker(model, make_optimizer(model, "sgd")) as tracker:
@@ -80,7 +80,7 @@ def fp32_forward():
 @pytest.fixture(scope="module")
 def bf16_forward():
     """The SMALL model as Korthikanti et al. assume it (bf16, dropout 0.1), batch 2: rows with ops attached."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)  # module fixtures run before the autouse one: the same threads as the tests
     model = make_model(device="cpu", **SMALL, dtype="bfloat16", dropout=0.1)
     b = 2
     x, y = get_batch(b, SMALL["seq_len"], seed=0)

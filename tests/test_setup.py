@@ -2,6 +2,7 @@
 for every platform (Windows paths, which torch comes from where, the offline launch). The real installs are in
 tests/test_wheelhouse.py."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -175,3 +176,61 @@ def test_installing_chromium_says_what_and_why_before_it_starts_and_shows_apt_ge
     assert first[0] == "log" and "apt-get install chromium" in first[1] and "browser test" in first[1]
     apt = [kw for e, cmd, kw in (e for e in events if e[0] == "run") if "apt-get" in cmd]
     assert len(apt) == 2 and all("stdout" not in kw and not kw.get("capture_output") for kw in apt)  # progress shown
+
+
+@pytest.mark.parametrize(
+    "argv, quick, extra",
+    [(["test", "--quick"], True, []), (["test", "-x", "--quick", "-k", "tracker"], True, ["-x", "-k", "tracker"]),
+     (["--here", "test", "--quick"], True, []), (["test", "-x"], False, ["-x"])],
+)  # fmt: skip
+def test_quick_is_an_option_of_test_and_the_rest_goes_to_pytest(argv, quick, extra):
+    args, rest = course.parse_args(argv)
+    assert (args.command, args.quick, rest) == ("test", quick, extra)
+
+
+def pytest_runs(monkeypatch, tmp_path, extra, quick):
+    """(command lines course.run_tests runs, the environment pytest gets), nothing run."""
+    runs = []
+    monkeypatch.setattr(course.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)) or
+                        subprocess.CompletedProcess(cmd, 0))  # fmt: skip
+    course.run_tests(fake_env(tmp_path), extra, quick=quick)
+    return runs
+
+
+def test_quick_runs_ruff_and_the_unit_tests_without_notebooks_delivery_tests_or_a_browser(monkeypatch, tmp_path):
+    runs = pytest_runs(monkeypatch, tmp_path, ["-x"], quick=True)
+    assert not any("ensure_browser" in " ".join(cmd) for cmd, _ in runs)
+    assert any(cmd[1:] == ["-m", "ruff", "check", "."] for cmd, _ in runs)
+    [cmd] = [cmd for cmd, _ in runs if cmd[1:3] == ["-m", "pytest"]]
+    assert "notebooks" not in cmd and not any(a.startswith("--nbval") for a in cmd)
+    assert cmd[cmd.index("-m", 3) + 1] == "not delivery" and "tests" in cmd and cmd[-1] == "-x"
+    full = [cmd for cmd, _ in pytest_runs(monkeypatch, tmp_path, [], quick=False) if cmd[1:3] == ["-m", "pytest"]][0]
+    assert "notebooks" in full and "--nbval" in full and "not delivery" not in full
+
+
+def test_pytest_and_its_kernels_get_a_passive_openmp_wait_policy_unless_one_is_set(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    [(_, kw)] = [(cmd, kw) for cmd, kw in pytest_runs(monkeypatch, tmp_path, [], False) if "pytest" in cmd]
+    assert kw["env"]["OMP_WAIT_POLICY"] == "PASSIVE"  # xdist workers and nbval's kernels inherit it
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    [(_, kw)] = [(cmd, kw) for cmd, kw in pytest_runs(monkeypatch, tmp_path, [], True) if "pytest" in cmd]
+    assert kw["env"]["OMP_WAIT_POLICY"] == "ACTIVE"  # what the user set wins
+
+
+def test_jupyterlab_starts_with_a_passive_openmp_wait_policy_its_kernels_inherit(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.chdir(tmp_path)  # run_lab changes into the repository before it execs JupyterLab
+    started = []
+
+    def execve(path, argv, env):  # the process becomes JupyterLab: nothing after it runs
+        started.append((argv, env))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(course.os, "execve", execve)  # Windows has no exec: subprocess.run
+    monkeypatch.setattr(course.subprocess, "run", lambda cmd, **kw: started.append((cmd, kw["env"])) or
+                        subprocess.CompletedProcess(cmd, 0))  # fmt: skip
+    with pytest.raises(SystemExit) if course.os.name == "posix" else contextlib.nullcontext():
+        course.run_lab(fake_env(tmp_path), executed=False, extra=[])
+    [(argv, env)] = started
+    assert argv[1:4] == ["-m", "jupyter", "lab"] and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["PATH"] == course.os.environ["PATH"]  # the rest of the environment as it was

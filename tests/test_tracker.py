@@ -21,9 +21,9 @@ from .conftest import SMALL, phase_end, storage_bytes
 
 
 @pytest.fixture
-def three_steps(small):
-    model, opt = small
-    return model, opt, track_steps(model, opt, steps=3, batch_size=4)
+def three_steps(small_run):
+    """conftest's small_run: three tracked AdamW steps of SMALL, batch 4, computed once per session (read only)."""
+    return small_run
 
 
 def test_parameter_bytes_are_constant_and_exact(three_steps):
