@@ -11,6 +11,7 @@ imports it only when called, so the rest of the package works without it.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from importlib import resources
@@ -170,7 +171,7 @@ def build_model(
     choice when None ("grouped_mm"), or "eager" / "batched_mm".
     """
     transformers = require_transformers()
-    cfg = hf_config(cfg)
+    cfg = copy.deepcopy(hf_config(cfg))  # from_config writes the implementations it picks into the config
     one_of("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
     one_of("dtype", dtype, DTYPES)
     kwargs = {"attn_implementation": attn_implementation, "dtype": getattr(torch, dtype)}

@@ -111,7 +111,11 @@ def _lora(model: nn.Module, ft: FineTune) -> nn.Module:
     except ImportError as e:
         raise ImportError('LoRA needs peft: pip install "anatomy_helpers[hf]"') from e
     targets = ft.lora_targets if isinstance(ft.lora_targets, str) else list(ft.lora_targets)
-    config = peft.LoraConfig(r=ft.lora_rank, lora_alpha=ft.lora_alpha, target_modules=targets, lora_dropout=0.0)
+    # GPT-2's layers are Conv1D (weights stored transposed): peft needs to know, and warns if it has to guess
+    conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
+    config = peft.LoraConfig(
+        r=ft.lora_rank, lora_alpha=ft.lora_alpha, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=conv1d
+    )
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:  # peft's own message names the targets it did not find
