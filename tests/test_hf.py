@@ -176,3 +176,37 @@ def test_mixture_of_experts_routing_is_refused_where_it_makes_shapes():
         dry_run_hf(cfg, FineTune(dtype="float32"))
     real = track_hf(cfg, FineTune(dtype="float32"), steps=1)  # the real step runs
     assert real.peak().bytes > 0
+
+
+PROFILED = [
+    _case("llama-3.2-1b"),
+    _case("gpt2", attn_implementation="eager", gradient_checkpointing=True),
+    _case("gemma-2-2b", attn_implementation="eager", method="lora", dtype="bfloat16"),
+    _case("mixtral-8x7b", dtype="bfloat16", optimizer="adamw", foreach=True),
+]
+
+
+@pytest.mark.parametrize("name, fields", PROFILED)
+def test_tracker_agrees_with_torch_profiler_on_hf_models(name, fields, tmp_path):
+    """As tests/test_profiler_agreement.py: two warm-up steps, one tracked, the next profiled; peaks within 0.5 %."""
+    from anatomy_helpers.prediction.hf_step import hf_batch, hf_step, make_hf_optimizer
+    from anatomy_helpers.tracking.tracker import StepTracker
+
+    from .test_profiler_agreement import BOUND, profiled_peaks
+
+    cfg = tiny_config(name, head_dim=16, vocab=512)
+    ft = FineTune(batch_size=4, seq_len=32, **fields)
+    torch.manual_seed(0)
+    model = make_hf_model(cfg, ft)
+    opt = make_hf_optimizer(model, ft)
+    for i in range(2):
+        hf_step(model, opt, hf_batch(cfg.vocab_size, ft, i), ft)
+    with StepTracker(model, opt) as tracker:
+        hf_step(model, opt, hf_batch(cfg.vocab_size, ft, 2), ft)
+    trace = tracker.trace
+    ours = {"step": trace.peak().bytes} | {p: trace.peak(phase=p).bytes for p in ("forward", "backward", "optimizer")}
+    # profiled_peaks runs the course's step, model(x, y)[1] then backward and the optimizer: the HF loss in its place
+    as_course_model = lambda x, y: (None, model(input_ids=x, labels=y).loss)
+    theirs = profiled_peaks(as_course_model, opt, hf_batch(cfg.vocab_size, ft, 3), tmp_path)
+    for key, value in theirs.items():
+        assert abs(ours[key] - value) <= BOUND * value, (key, ours[key], value, f"{(ours[key] - value) / value:+.3%}")
