@@ -210,3 +210,11 @@ def test_tracker_agrees_with_torch_profiler_on_hf_models(name, fields, tmp_path)
     theirs = profiled_peaks(as_course_model, opt, hf_batch(cfg.vocab_size, ft, 3), tmp_path)
     for key, value in theirs.items():
         assert abs(ours[key] - value) <= BOUND * value, (key, ours[key], value, f"{(ours[key] - value) / value:+.3%}")
+
+
+def test_without_transformers_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    with pytest.raises(ImportError, match=r'pip install "anatomy_helpers\[hf\]"'):
+        hf_config("gpt2")

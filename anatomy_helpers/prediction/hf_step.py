@@ -11,6 +11,14 @@ computes its own shifted cross-entropy, ``backward`` per micro-batch, ``optimize
 :func:`track_hf` runs it for real under the StepTracker on a model with random weights, and :func:`dry_run_hf`
 runs the very same function on fake tensors (dryrun.py) at any size, checked op by op against the real kernels
 on a tiny twin of the configuration (hf.tiny_config): exact, or refused with a DryRunError naming the op.
+
+What a dry run assumes about values it does not have: :data:`HF_ASSUMPTIONS`. Mixture of experts: the router
+picks experts from the data. transformers' ``grouped_mm`` experts (its default) sort the routed tokens by expert
+and multiply them in one grouped matmul, so every shape is independent of the routing and the dry run needs no
+assumption (kernel scratch inside the grouped matmul does depend on it, and a dry run never counts scratch);
+torch's fake ``_grouped_mm`` accepts bfloat16 only, so a float32 model is refused naming it. ``batched_mm``
+copies each routed token's expert weights (routing-independent too, and large). The ``eager`` experts loop over
+the experts that received tokens (``nonzero``): refused, naming the op.
 """
 
 from __future__ import annotations
