@@ -50,6 +50,8 @@ def test_non_editable_install_ships_every_module(tmp_path):
         "for n in names: importlib.import_module(n)\n"
         "from anatomy_helpers.data import load_text\n"
         "assert len(load_text()) > 10_000\n"
+        "from importlib import resources\n"
+        "assert resources.files('anatomy_helpers.prediction').joinpath('hf_configs', 'llama-3.1-8b.json').is_file()\n"
         "print(a.__file__); print(len(names)); print(' '.join(sorted(names)))\n"
     )
     out = subprocess.run(

@@ -1,0 +1,202 @@
+"""Hugging Face causal language models for dry runs: their configurations, tiny twins, and the models themselves.
+
+The configurations people fine-tune ship with the package (``hf_configs/*.json``, the public ``config.json`` of
+each model on the Hugging Face Hub, source named in docs/references.md), so nothing is downloaded: a model is built
+from its configuration alone, on the meta device for a dry run (no weights, no memory) or on the CPU with real
+random weights for a tiny twin (:func:`tiny_config`) whose real run is compared with its dry run byte for byte.
+
+``transformers`` (and ``peft`` for LoRA) is an optional extra: ``pip install "anatomy_helpers[hf]"``. This module
+imports it only when called, so the rest of the package works without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..checks import one_of
+
+#: Shipped configurations: name -> the Hub repository whose config.json it copies (docs/references.md).
+SHIPPED = {
+    "gpt2": "openai-community/gpt2",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "mistral-7b-v0.3": "mistralai/Mistral-7B-v0.3",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "gemma-2-2b": "google/gemma-2-2b",
+    "phi-3-mini-4k": "microsoft/Phi-3-mini-4k-instruct",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+}
+
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+DTYPES = ("float32", "bfloat16", "float16")
+INSTALL_HINT = 'Hugging Face models need transformers (and peft for LoRA): pip install "anatomy_helpers[hf]"'
+
+
+def require_transformers():
+    """The ``transformers`` module, or an ImportError saying how to install it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return transformers
+
+
+def _shipped_dict(name: str) -> dict:
+    text = resources.files(__package__).joinpath("hf_configs", f"{name}.json").read_text()
+    return json.loads(text)
+
+
+def hf_config(model):
+    """A ``transformers.PretrainedConfig`` from a shipped name (:data:`SHIPPED`), a local ``config.json`` (its
+    path, or the folder holding it) or a configuration object (returned as it is). Never reads the Hub."""
+    transformers = require_transformers()
+    if isinstance(model, transformers.PretrainedConfig):
+        return model
+    if isinstance(model, (str, Path)):
+        key = str(model).lower()
+        if key in SHIPPED:
+            return transformers.AutoConfig.for_model(**_shipped_dict(key))
+        path = Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        if path.is_file():
+            try:
+                fields = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+            if not isinstance(fields, dict) or "model_type" not in fields:
+                raise ValueError(f"{path} has no 'model_type': not a transformers config.json")
+            try:
+                return transformers.AutoConfig.for_model(**fields)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from e
+    raise ValueError(
+        f"model must be one of the shipped configurations ({', '.join(SHIPPED)}), the path of a local "
+        f"config.json, or a transformers PretrainedConfig; got {model!r} (the Hub is never read: download the "
+        "config.json and pass its path)"
+    )
+
+
+def _is_moe(cfg) -> bool:
+    return getattr(cfg, "num_local_experts", None) is not None or getattr(cfg, "num_experts", None) is not None
+
+
+def tiny_config(cfg, *, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, vocab: int = 256, positions: int = 64):
+    """The same configuration class with small sizes and the architecture's features kept.
+
+    Kept: the ratio of query to key/value heads (grouped-query attention; 1 for multi-head), a hidden size that is
+    not heads x head_dim where the original's is not (Gemma 2), the MLP's width relative to the hidden size, tied
+    or untied embeddings, bias and activation choices, dropout, logit softcapping, a sliding window (shrunk to 8
+    positions, so a 16-token sequence crosses it), mixture-of-experts top-k (experts cut to 4 at most). Each size
+    comes from the original's where it can (head counts: ``kv_heads`` key/value heads, the original ratio of query
+    heads to them).
+    """
+    cfg = hf_config(cfg)
+    fields = cfg.to_dict()
+    heads, layers_orig = cfg.num_attention_heads, cfg.num_hidden_layers
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    ratio = heads // kv
+    new_kv = kv if kv == heads else min(kv, kv_heads)  # multi-head attention stays multi-head
+    new_kv = min(new_kv, 4)
+    new_heads = new_kv * ratio
+    orig_head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    extra = cfg.hidden_size - heads * orig_head_dim  # Gemma 2: 2304 = 8 x 256 + 256
+    hidden = new_heads * head_dim + (head_dim if extra else 0)
+    sizes = {
+        "hidden_size": hidden,
+        "num_attention_heads": new_heads,
+        "num_hidden_layers": min(layers, layers_orig),
+        "vocab_size": min(vocab, cfg.vocab_size),
+        "max_position_embeddings": min(positions, cfg.max_position_embeddings),
+    }
+    if "num_key_value_heads" in fields:
+        sizes["num_key_value_heads"] = new_kv
+    if "head_dim" in fields and fields["head_dim"] is not None:
+        sizes["head_dim"] = head_dim
+    inner = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+    if inner:  # GPT-2's n_inner=None means 4 x hidden already
+        key = "intermediate_size" if "intermediate_size" in fields else "n_inner"
+        sizes[key] = 8 * math.ceil(inner / cfg.hidden_size * hidden / 8)
+    if getattr(cfg, "sliding_window", None) is not None:
+        sizes["sliding_window"] = min(cfg.sliding_window, 8)
+    if "max_window_layers" in fields:  # Qwen 2: the first max_window_layers layers use the window (if enabled)
+        sizes["max_window_layers"] = sizes["num_hidden_layers"]
+    if "query_pre_attn_scalar" in fields:  # Gemma 2 scales queries by its head width
+        sizes["query_pre_attn_scalar"] = head_dim
+    if "num_local_experts" in fields:
+        sizes["num_local_experts"] = min(cfg.num_local_experts, 4)
+        sizes["num_experts_per_tok"] = min(cfg.num_experts_per_tok, sizes["num_local_experts"])
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the tiny vocabulary would not embed
+        token = fields.get(key)
+        if isinstance(token, int) and token >= sizes["vocab_size"]:
+            sizes[key] = sizes["vocab_size"] - 1
+        elif isinstance(token, list):
+            sizes[key] = [t if t < sizes["vocab_size"] else sizes["vocab_size"] - 1 for t in token]
+    for key in ("rope_parameters", "rope_scaling"):  # Llama 3's rope scaling: its original length must be shorter
+        rope = fields.get(key)
+        if isinstance(rope, dict) and rope.get("original_max_position_embeddings"):
+            sizes[key] = {**rope, "original_max_position_embeddings": sizes["max_position_embeddings"] // 2}
+    fields.update(sizes)
+    fields.pop("layer_types", None)  # derived from the number of layers by the config class itself
+    # GPT-2 keeps its sizes under its own names (n_embd, n_layer, ...): the class maps the common ones onto them.
+    for common, own in getattr(type(cfg), "attribute_map", {}).items():
+        if common in fields and own in fields:
+            fields[own] = fields.pop(common)
+    if "n_ctx" in fields:
+        fields["n_ctx"] = fields.get("n_positions", sizes["max_position_embeddings"])
+    return type(cfg)(**fields)
+
+
+def build_model(
+    cfg,
+    *,
+    attn_implementation: str = "sdpa",
+    dtype: str = "float32",
+    experts_implementation: str | None = None,
+) -> nn.Module:
+    """The causal language model of ``cfg`` (anything :func:`hf_config` takes), in training mode.
+
+    Built on torch's default device: under ``torch.device("meta")`` (as a dry run builds it) it holds no memory;
+    on the CPU its weights are the architecture's own random initialization (seed torch first). ``dtype``: of
+    the weights; ``attn_implementation``: "eager" (attention written out in torch ops) or "sdpa"
+    (``scaled_dot_product_attention``); ``experts_implementation`` (mixture-of-experts models): transformers'
+    choice when None ("grouped_mm"), or "eager" / "batched_mm".
+    """
+    transformers = require_transformers()
+    cfg = copy.deepcopy(hf_config(cfg))  # from_config writes the implementations it picks into the config
+    one_of("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+    one_of("dtype", dtype, DTYPES)
+    kwargs = {"attn_implementation": attn_implementation, "dtype": getattr(torch, dtype)}
+    if experts_implementation is not None:
+        if not _is_moe(cfg):
+            raise ValueError(f"experts_implementation is for mixture-of-experts models; {cfg.model_type} has none")
+        kwargs["experts_implementation"] = experts_implementation
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise ValueError(
+                f"{type(cfg).__name__} ({cfg.model_type}) is not a causal language model transformers knows: "
+                "AutoModelForCausalLM has no class for it"
+            ) from None
+        raise
+    return model.train()
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters of ``model``, each shared (tied) tensor once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def meta_parameters(cfg) -> int:
+    """The parameter count of ``cfg``'s model, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return count_parameters(build_model(cfg, dtype="bfloat16", attn_implementation="eager"))

@@ -1,0 +1,349 @@
+"""The fine-tuning step people run on a Hugging Face causal LM, tracked for real or dry-run.
+
+One :class:`FineTune` says how the step runs: batch and sequence length, micro-batches, the weights' dtype or
+autocast, the attention implementation, HF's own ``gradient_checkpointing_enable()``, the optimizer (AdamW,
+Adam, SGD; single-tensor, foreach or fused) and what is trained: everything (``method="full"``), everything but
+the parameters under the ``freeze`` prefixes (``"frozen"``: ``requires_grad_(False)``), or LoRA adapters through
+``peft`` (``"lora"``: ``LoraConfig(r, lora_alpha, target_modules)``; the base frozen, in ``dtype``).
+
+:func:`hf_step` is the step itself (the loop a training script writes: forward with ``labels`` so the model
+computes its own shifted cross-entropy, ``backward`` per micro-batch, ``optimizer.step()``, ``zero_grad``);
+:func:`track_hf` runs it for real under the StepTracker on a model with random weights, and :func:`dry_run_hf`
+runs the very same function on fake tensors (dryrun.py) at any size, checked op by op against the real kernels
+on a tiny twin of the configuration (hf.tiny_config): exact, or refused with a DryRunError naming the op.
+
+What a dry run assumes about values it does not have: :data:`HF_ASSUMPTIONS`. Mixture of experts: the router
+picks experts from the data. transformers' ``grouped_mm`` experts (its default) sort the routed tokens by expert
+and multiply them in one grouped matmul, so every shape is independent of the routing and the dry run needs no
+assumption (kernel scratch inside the grouped matmul does depend on it, and a dry run never counts scratch);
+torch's fake ``_grouped_mm`` accepts bfloat16 only, so a float32 model is refused naming it. ``batched_mm``
+copies each routed token's expert weights (routing-independent too, and large). The ``eager`` experts loop over
+the experts that received tokens (``nonzero``): refused, naming the op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+
+from ..checks import one_of, positive_int, positive_number
+from ..interrupts import DeferredInterrupt
+from ..tracking.trace import Trace
+from ..tracking.tracker import StepTracker
+from .dryrun import AUTOCAST_CHOICES, DryRunError, _check_ops, build_fake_model
+from .fake_check import CheckedFakeTensorMode
+from .hf import build_model, hf_config, tiny_config
+
+METHODS = ("full", "frozen", "lora")
+
+#: What a dry run of a Hugging Face model assumes about the batch's values (it has none).
+HF_ASSUMPTIONS = (
+    "Each row of the batch is one sequence: no padding, no packed sequences. On real data transformers reads the "
+    "position ids to find packed sequences (masking_utils.find_packed_sequence_indices) and, finding none, skips "
+    "building an attention mask; the dry run runs the same ops and takes that answer. Where transformers would "
+    "take its tracing path for fake tensors anywhere else (utils.is_tracing), the dry run is refused."
+)
+OPTIMIZERS = ("adamw", "adam", "sgd", "momentum")
+
+
+@dataclass(frozen=True)
+class FineTune:
+    """How one fine-tuning step runs (see the module docstring). ``batch_size`` is the global batch, split into
+    ``micro_batches`` equal micro-batches whose gradients accumulate before one optimizer step."""
+
+    batch_size: int = 2
+    seq_len: int = 16
+    micro_batches: int = 1
+    dtype: str = "float32"  # of the weights (LoRA: of the frozen base)
+    autocast: str | None = None
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    optimizer: str = "adamw"
+    foreach: bool | None = None
+    fused: bool | None = None
+    lr: float = 1e-4
+    method: str = "full"
+    freeze: tuple[str, ...] = ()  # "frozen": prefixes of the parameter names to freeze
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_targets: str | tuple[str, ...] = "all-linear"  # peft's target_modules
+    experts_implementation: str | None = None  # mixture of experts: see hf.build_model
+
+    def __post_init__(self):
+        positive_int("batch_size", self.batch_size)
+        positive_int("seq_len", self.seq_len)
+        positive_int("micro_batches", self.micro_batches)
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batches ({self.micro_batches})"
+            )
+        one_of("autocast", self.autocast, AUTOCAST_CHOICES)
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("method", self.method, METHODS)
+        positive_number("lr", self.lr)
+        positive_int("lora_rank", self.lora_rank)
+        positive_number("lora_alpha", self.lora_alpha)
+        if self.method == "frozen" and not self.freeze:
+            raise ValueError('method="frozen" needs freeze=(parameter-name prefixes, e.g. "model.layers.0.")')
+        if self.method != "frozen" and self.freeze:
+            raise ValueError(f'freeze is for method="frozen", not {self.method!r}')
+        if isinstance(self.freeze, str):
+            raise ValueError(f"freeze must be a tuple of parameter-name prefixes, got the string {self.freeze!r}")
+
+
+def _freeze(model: nn.Module, prefixes: Sequence[str]) -> None:
+    """``requires_grad_(False)`` on every parameter whose name starts with one of ``prefixes``."""
+    names = [name for name, _ in model.named_parameters()]
+    for prefix in prefixes:
+        if not any(name.startswith(prefix) for name in names):
+            tops = sorted({re.sub(r"\.(weight|bias)$", "", n).rsplit(".", 2)[0] for n in names})[:12]
+            raise ValueError(f"no parameter name starts with {prefix!r}; names start e.g. with {', '.join(tops)}")
+    for name, p in model.named_parameters():
+        if name.startswith(tuple(prefixes)):
+            p.requires_grad_(False)
+
+
+def _lora(model: nn.Module, ft: FineTune) -> nn.Module:
+    try:
+        import peft
+    except ImportError as e:
+        raise ImportError('LoRA needs peft: pip install "anatomy_helpers[hf]"') from e
+    targets = ft.lora_targets if isinstance(ft.lora_targets, str) else list(ft.lora_targets)
+    # GPT-2's layers are Conv1D (weights stored transposed): peft needs to know, and warns if it has to guess
+    conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
+    config = peft.LoraConfig(
+        r=ft.lora_rank, lora_alpha=ft.lora_alpha, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=conv1d
+    )
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:  # peft's own message names the targets it did not find
+        raise ValueError(f"LoRA target modules {ft.lora_targets!r}: {e}") from None
+
+
+def make_hf_model(cfg, ft: FineTune) -> nn.Module:
+    """``cfg``'s model (hf.build_model) made ready for ``ft``: frozen parts, LoRA adapters, checkpointing."""
+    model = build_model(
+        cfg,
+        attn_implementation=ft.attn_implementation,
+        dtype=ft.dtype,
+        experts_implementation=ft.experts_implementation,
+    )
+    model.config.use_cache = False  # training: no key/value cache (HF turns it off under checkpointing anyway)
+    if ft.method == "frozen":
+        _freeze(model, ft.freeze)
+    if ft.gradient_checkpointing:  # before LoRA, as in peft's examples: the base model's own switch
+        # gradient_checkpointing_enable() was renamed activation_checkpointing_enable() in transformers 5.x
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    if ft.method == "lora":
+        with warnings.catch_warnings():  # peft asks for is_gradient_checkpointing, deprecated in transformers 5.x
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = _lora(model, ft)
+    return model
+
+
+def make_hf_optimizer(model: nn.Module, ft: FineTune) -> torch.optim.Optimizer:
+    """``ft.optimizer`` over the parameters that train (the others get no gradient and no state)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    impl = {"foreach": ft.foreach, "fused": ft.fused}
+    if ft.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=ft.lr, **impl)
+    if ft.optimizer == "momentum":
+        return torch.optim.SGD(params, lr=ft.lr, momentum=0.9, **impl)
+    if ft.optimizer == "adam":
+        return torch.optim.Adam(params, lr=ft.lr, **impl)
+    return torch.optim.AdamW(params, lr=ft.lr, weight_decay=0.0, **impl)
+
+
+def hf_batch(vocab_size: int, ft: FineTune, step: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)``, each (batch, seq_len) int64, the labels a copy of the inputs (the model shifts
+    them itself). Real: random tokens from a generator seeded with ``step``; fake: the same two allocations."""
+    shape = (ft.batch_size, ft.seq_len)
+    if fake:
+        return torch.empty(shape, dtype=torch.long), torch.empty(shape, dtype=torch.long)
+    ids = torch.randint(vocab_size, shape, generator=torch.Generator().manual_seed(step))
+    return ids, ids.clone()
+
+
+def hf_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, ft: FineTune) -> list[torch.Tensor]:
+    """One training step: per micro-batch (row slices of the batch, views) forward with ``labels`` (the model's
+    own shifted cross-entropy, divided by the number of micro-batches) and backward; then the optimizer step and
+    ``zero_grad(set_to_none=True)``. Returns the micro-batches' losses, detached."""
+    input_ids, labels = batch
+    k, rows = ft.micro_batches, ft.batch_size // ft.micro_batches
+    mixed = (
+        torch.autocast(input_ids.device.type, dtype=getattr(torch, ft.autocast))
+        if ft.autocast
+        else contextlib.nullcontext()
+    )
+    losses = []
+    for j in range(0, ft.batch_size, rows):
+        with mixed:
+            loss = model(input_ids=input_ids[j : j + rows], labels=labels[j : j + rows]).loss / k
+        loss.backward()
+        losses.append(loss.detach())
+        del loss
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def _steps(model, optimizer, vocab_size: int, ft: FineTune, steps: int, *, fake: bool, kernel_scratch: bool) -> Trace:
+    """``steps`` tracked steps: the batch made inside the step, as a data loader hands it over."""
+    with StepTracker(model, optimizer, kernel_scratch=kernel_scratch, accumulate=ft.micro_batches > 1) as tracker:
+        for i in range(steps):
+            batch = hf_batch(vocab_size, ft, i, fake=fake)
+            losses = hf_step(model, optimizer, batch, ft)
+            if not fake:
+                [x.item() for x in losses]
+            del losses, batch
+    return tracker.trace
+
+
+def track_hf(cfg, ft: FineTune, steps: int = 2, *, seed: int = 0, kernel_scratch: bool = True) -> Trace:
+    """``steps`` real tracked steps of ``cfg``'s model (random weights, seeded) on CPU. Compare with a dry run
+    using ``kernel_scratch=False``: kernel scratch is the one category a dry run cannot see."""
+    cfg = hf_config(cfg)
+    positive_int("steps", steps)
+    torch.manual_seed(seed)
+    model = make_hf_model(cfg, ft)
+    optimizer = make_hf_optimizer(model, ft)
+    return _steps(model, optimizer, cfg.vocab_size, ft, steps, fake=False, kernel_scratch=kernel_scratch)
+
+
+def _one_sequence_per_row(position_ids: torch.Tensor):
+    """transformers.masking_utils.find_packed_sequence_indices (5.x) for fake tensors: the same ops, and the
+    answer it gives for rows that hold one sequence each (None: not packed). Its check reads values, so for fake
+    tensors transformers would assume packing and build a full attention mask the real step never builds."""
+    first_dummy_value = position_ids[:, :1] - 1
+    position_diff = torch.diff(position_ids, prepend=first_dummy_value, dim=-1)
+    packed_sequence_mask = (position_diff != 1).cumsum(-1)
+    (packed_sequence_mask[:, -1] == 0).all()  # the real check's ops; its answer (True: not packed) assumed
+    return None
+
+
+def _no_padding_warning(self, input_ids, attention_mask):
+    """PreTrainedModel.warn_if_padding_and_no_attention_mask for fake tensors: the same ops (``pad_token_id in
+    input_ids[:, [-1, 0]]``), answered "no padding" (nothing to warn about)."""
+    if attention_mask is None and self.config.pad_token_id is not None:
+        (input_ids[:, [-1, 0]] == self.config.pad_token_id).any()
+
+
+@contextlib.contextmanager
+def _as_for_real(tracing_calls: list[str]):
+    """transformers made to run a fake step as a real one (HF_ASSUMPTIONS); every other call of its
+    ``is_tracing`` with a fake tensor is noted in ``tracing_calls`` (file:line), so the dry run can refuse."""
+    import transformers.masking_utils as masking
+    from transformers.modeling_utils import PreTrainedModel
+    from transformers.utils import import_utils
+
+    original = import_utils.is_tracing
+
+    def watched(tensor=None):
+        if isinstance(tensor, FakeTensor):
+            caller = sys._getframe(1)
+            tracing_calls.append(f"{caller.f_code.co_filename}:{caller.f_lineno} ({caller.f_code.co_name})")
+        return original(tensor)
+
+    # Modules bind is_tracing by name: swap it where it is bound (vars(), so that no lazy module is imported).
+    users = [m for name, m in list(sys.modules.items()) if name.startswith("transformers") and m is not None]
+    users = [m for m in users if vars(m).get("is_tracing") is original]
+    saved = (masking.find_packed_sequence_indices, PreTrainedModel.warn_if_padding_and_no_attention_mask)
+    try:
+        for m in users:
+            m.is_tracing = watched
+        masking.find_packed_sequence_indices = _one_sequence_per_row
+        PreTrainedModel.warn_if_padding_and_no_attention_mask = _no_padding_warning
+        yield
+    finally:
+        for m in users:
+            m.is_tracing = original
+        masking.find_packed_sequence_indices, PreTrainedModel.warn_if_padding_and_no_attention_mask = saved
+
+
+class _NamingMode(CheckedFakeTensorMode):
+    """The checked fake mode, remembering the op it runs last: a fake kernel that raises is named by it."""
+
+    func = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.func = func
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _fake_run(cfg, ft: FineTune, steps: int):
+    """The dry run: (its Trace, the op calls to check)."""
+    interrupt = DeferredInterrupt()  # see dryrun._run_fake: a Ctrl-C inside the fake mode would abort the process
+    interrupt.start()
+    quiet = logging.getLogger("torch._subclasses.fake_tensor").disabled  # it logs a refusing fake kernel's traceback
+    logging.getLogger("torch._subclasses.fake_tensor").disabled = True
+    mode = _NamingMode()
+    tracing_calls: list[str] = []
+    try:
+        model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
+        mode.calls.clear()  # making the fake model is the dry run's doing, not the step's
+        with mode, _as_for_real(tracing_calls):
+            optimizer = make_hf_optimizer(model, ft)
+            trace = _steps(model, optimizer, cfg.vocab_size, ft, steps, fake=True, kernel_scratch=False)
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        op = getattr(e, "func", e)
+        raise DryRunError(
+            f"{type(cfg).__name__} ({cfg.model_type}) makes a shape from tensor values during the step ({op}): a "
+            "dry run has shapes but no values"
+            + (
+                ". This is the mixture-of-experts router's choice of tokens per expert; pass "
+                'experts_implementation="grouped_mm" (routed tokens sorted by expert: every shape is independent '
+                'of the routing) or "batched_mm"'
+                if getattr(cfg, "num_local_experts", None)
+                else ""
+            )
+        ) from e
+    except RuntimeError as e:
+        if mode.func is None:
+            raise
+        raise DryRunError(
+            f"the fake kernel of {mode.func} refused what the step gives it ({str(e).splitlines()[0]}), so a dry run "
+            f"of {type(cfg).__name__} with these settings is refused"
+            + (
+                ' (torch\'s fake grouped_mm takes bfloat16 only: use dtype="bfloat16", or '
+                'experts_implementation="batched_mm")'
+                if "grouped_mm" in str(mode.func)
+                else ""
+            )
+        ) from e
+    finally:
+        interrupt.stop()
+        logging.getLogger("torch._subclasses.fake_tensor").disabled = quiet
+    if tracing_calls:
+        raise DryRunError(
+            f"transformers takes another path for fake tensors than for real ones in {type(cfg).__name__} "
+            f"(is_tracing, at {'; '.join(sorted(set(tracing_calls)))}): the dry run would not be the real step, so "
+            "it is refused"
+        )
+    return trace, mode.calls
+
+
+def dry_run_hf(cfg, ft: FineTune = FineTune(), steps: int = 2, *, check_on=None) -> Trace:
+    """Dry-run ``steps`` fine-tuning steps of ``cfg``'s model (hf.hf_config takes a shipped name, a config.json
+    or a config): the Trace :func:`track_hf` records with ``kernel_scratch=False``, byte for byte, at any size.
+
+    Every op signature is checked against the real kernel (dryrun.py); those seen only at calls too large to run
+    here are checked on ``check_on`` (default: ``tiny_config(cfg)``, the same code paths at a size that runs
+    in milliseconds). Refused with DryRunError when a fake kernel differs or a shape depends on values.
+    """
+    cfg = hf_config(cfg)
+    positive_int("steps", steps)
+    trace, calls = _fake_run(cfg, ft, steps)
+    twin = check_on if check_on is not None else tiny_config(cfg)
+    small = dataclasses.replace(ft, batch_size=ft.micro_batches, seq_len=min(ft.seq_len, 16))
+    _check_ops(calls, f"{cfg.model_type} ({type(cfg).__name__})", lambda: _fake_run(twin, small, 2)[1])
+    return trace

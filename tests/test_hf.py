@@ -1,0 +1,220 @@
+"""Hugging Face causal LMs: shipped configurations, tiny twins, and dry runs exact or refused (prediction/hf*.py)."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from anatomy_helpers.prediction.dryrun import DryRunError  # noqa: E402
+from anatomy_helpers.prediction.hf import SHIPPED, build_model, hf_config, meta_parameters, tiny_config  # noqa: E402
+from anatomy_helpers.prediction.hf_step import FineTune, dry_run_hf, make_hf_model, track_hf  # noqa: E402
+
+from .test_dryrun import assert_same_trace  # noqa: E402
+
+# Published sizes (model cards; safetensors index metadata total_size / bytes per parameter), not the code's.
+PUBLISHED = {
+    "gpt2": 124_439_808,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.1-8b": 8_030_261_248,
+    "mistral-7b-v0.3": 7_248_023_552,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "gemma-2-2b": 2_614_341_888,
+    "phi-3-mini-4k": 3_821_079_552,
+    "mixtral-8x7b": 46_702_792_704,
+}
+
+
+def test_every_shipped_model_has_its_published_size():
+    assert set(PUBLISHED) == set(SHIPPED)
+    for name, count in PUBLISHED.items():
+        assert meta_parameters(name) == count, name
+
+
+def test_configs_from_a_name_a_file_a_folder_or_an_object(tmp_path):
+    cfg = hf_config("llama-3.2-1b")
+    assert type(cfg).__name__ == "LlamaConfig" and cfg.num_key_value_heads == 8 and cfg.tie_word_embeddings
+    assert hf_config(cfg) is cfg
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    for where in (tmp_path / "config.json", tmp_path, str(tmp_path)):
+        assert hf_config(where).to_dict() == cfg.to_dict()
+
+
+def test_bad_models_get_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="shipped configurations.*llama-3.1-8b.*mixtral-8x7b.*never read"):
+        hf_config("meta-llama/Llama-3.1-70B")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="no 'model_type'"):
+        hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        hf_config(tmp_path)
+    from transformers import ViTConfig
+
+    with pytest.raises(ValueError, match="not a causal language model"):
+        build_model(ViTConfig(), attn_implementation="eager")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        build_model("gpt2", attn_implementation="flash")
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):  # transformers' own refusal
+        build_model(tiny_config("gemma-2-2b"), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        build_model("gpt2", experts_implementation="eager")
+
+
+def test_tiny_twins_keep_each_architectures_features():
+    for name in SHIPPED:
+        big, tiny = hf_config(name), tiny_config(name)
+        assert type(tiny) is type(big) and tiny.num_hidden_layers == 2 and tiny.vocab_size == 256, name
+        assert tiny.tie_word_embeddings == big.tie_word_embeddings, name
+        kv_big = getattr(big, "num_key_value_heads", None) or big.num_attention_heads
+        kv_tiny = getattr(tiny, "num_key_value_heads", None) or tiny.num_attention_heads
+        assert big.num_attention_heads // kv_big == tiny.num_attention_heads // kv_tiny, name  # the GQA ratio
+        window = getattr(big, "sliding_window", None)
+        assert getattr(tiny, "sliding_window", None) == (None if window is None else 8), name
+    gemma = tiny_config("gemma-2-2b")
+    assert gemma.attn_logit_softcapping == 50.0 and gemma.final_logit_softcapping == 30.0
+    assert gemma.sliding_window == 8 and gemma.layer_types == ["sliding_attention", "full_attention"]
+    assert gemma.hidden_size != gemma.num_attention_heads * gemma.head_dim  # as in the 2B model
+    mixtral = tiny_config("mixtral-8x7b")
+    assert mixtral.num_local_experts == 4 and mixtral.num_experts_per_tok == 2
+
+
+def _case(name, **fields):
+    return pytest.param(name, fields, id=name + ":" + ",".join(f"{k}={v}" for k, v in fields.items()))
+
+
+FROZEN = {  # the embeddings and the first layer
+    "gpt2": ("transformer.wte.", "transformer.wpe.", "transformer.h.0."),
+    "gemma-2-2b": ("model.embed_tokens.", "model.layers.0."),
+}
+DENSE = [n for n in SHIPPED if n != "mixtral-8x7b"]
+ATTN = {"gemma-2-2b": "eager"}  # transformers refuses SDPA for Gemma 2 (its logit softcapping)
+SWEEP = (
+    [_case(n, attn_implementation=ATTN.get(n, "sdpa")) for n in DENSE]
+    + [
+        _case(
+            n,
+            attn_implementation="eager",
+            method="frozen",
+            freeze=FROZEN.get(n, ("model.embed_tokens.", "model.layers.0.")),
+        )
+        for n in DENSE
+    ]
+    + [
+        _case(n, attn_implementation="eager", method="lora", dtype="bfloat16", gradient_checkpointing=True)
+        for n in DENSE
+    ]
+    + [
+        _case("llama-3.2-1b", method="lora", dtype="bfloat16", lora_rank=4, lora_targets=("q_proj", "v_proj")),
+        _case("gpt2", attn_implementation="eager", gradient_checkpointing=True, optimizer="sgd"),
+        _case("qwen2.5-0.5b", gradient_checkpointing=True, optimizer="adamw", fused=True),
+        _case("phi-3-mini-4k", micro_batches=2, batch_size=4, autocast="bfloat16", foreach=True),
+        _case(
+            "mistral-7b-v0.3", dtype="bfloat16", method="frozen", freeze=("model.layers.",), gradient_checkpointing=True
+        ),
+        _case("gemma-2-2b", attn_implementation="eager", gradient_checkpointing=True, optimizer="momentum"),
+        # mixture of experts: transformers' default grouped_mm, whose shapes do not depend on the routing
+        _case("mixtral-8x7b", dtype="bfloat16"),
+        _case("mixtral-8x7b", dtype="bfloat16", attn_implementation="eager", gradient_checkpointing=True),
+        _case("mixtral-8x7b", dtype="bfloat16", method="lora", lora_targets=("q_proj", "v_proj")),
+        _case("mixtral-8x7b", experts_implementation="batched_mm"),
+    ]
+)
+
+
+@pytest.mark.parametrize("name, fields", SWEEP)
+def test_dry_run_of_a_tiny_twin_equals_its_real_run_byte_for_byte(name, fields):
+    cfg, ft = tiny_config(name), FineTune(**fields)
+    real = track_hf(cfg, ft, steps=2, kernel_scratch=False)
+    dry = dry_run_hf(cfg, ft, steps=2)
+    assert_same_trace(dry, real)
+    assert dry.peak().bytes == real.peak().bytes and dry.peak().breakdown == real.peak().breakdown
+
+
+def test_lora_and_frozen_parameters_get_no_gradient_and_no_state():
+    cfg = tiny_config("llama-3.2-1b")
+    torch.manual_seed(0)
+    full = make_hf_model(cfg, FineTune())
+    lora = make_hf_model(cfg, FineTune(method="lora", dtype="bfloat16", lora_rank=4))
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert 0 < trainable < sum(p.numel() for p in full.parameters()) // 10
+    assert {p.dtype for p in lora.parameters() if not p.requires_grad} == {torch.bfloat16}  # the frozen base
+    full_trace = dry_run_hf(cfg, FineTune(), steps=2)
+    lora_trace = dry_run_hf(cfg, FineTune(method="lora", dtype="bfloat16", lora_rank=4), steps=2)
+    at_end = lora_trace.phases()[-1].at_end
+    trainable_bytes = sum(p.numel() * p.element_size() for p in lora.parameters() if p.requires_grad)
+    steps = 4 * len([p for p in lora.parameters() if p.requires_grad])  # AdamW's float32 step count per parameter
+    assert at_end["optimizer_state"] == 2 * trainable_bytes + steps  # exp_avg and exp_avg_sq
+    assert lora_trace.peak().bytes < full_trace.peak().bytes
+
+
+def test_bad_fine_tunes_get_clear_errors():
+    with pytest.raises(ValueError, match="multiple of micro_batches"):
+        FineTune(batch_size=3, micro_batches=2)
+    with pytest.raises(ValueError, match="method"):
+        FineTune(method="qlora")
+    with pytest.raises(ValueError, match="needs freeze"):
+        FineTune(method="frozen")
+    with pytest.raises(ValueError, match="tuple of parameter-name prefixes"):
+        FineTune(method="frozen", freeze="model.layers.0.")
+    with pytest.raises(ValueError, match="no parameter name starts with 'decoder.'.*model.layers"):
+        dry_run_hf(tiny_config("llama-3.2-1b"), FineTune(method="frozen", freeze=("decoder.",)))
+    with pytest.raises(ValueError, match="LoRA target modules.*nonexistent"):
+        dry_run_hf(tiny_config("llama-3.2-1b"), FineTune(method="lora", lora_targets=("nonexistent_proj",)))
+
+
+def test_mixture_of_experts_routing_is_refused_where_it_makes_shapes():
+    cfg = tiny_config("mixtral-8x7b")
+    # transformers' eager experts loop over the experts the router picked: torch.nonzero's shape is the data's
+    with pytest.raises(DryRunError, match=r"aten\.nonzero.*router.*grouped_mm"):
+        dry_run_hf(cfg, FineTune(dtype="bfloat16", experts_implementation="eager"))
+    # grouped_mm in float32: the CPU kernel runs it, torch's fake kernel accepts bfloat16 only
+    with pytest.raises(DryRunError, match=r"aten\._grouped_mm.*bfloat16"):
+        dry_run_hf(cfg, FineTune(dtype="float32"))
+    real = track_hf(cfg, FineTune(dtype="float32"), steps=1)  # the real step runs
+    assert real.peak().bytes > 0
+
+
+PROFILED = [
+    _case("llama-3.2-1b"),
+    _case("gpt2", attn_implementation="eager", gradient_checkpointing=True),
+    _case("gemma-2-2b", attn_implementation="eager", method="lora", dtype="bfloat16"),
+    _case("mixtral-8x7b", dtype="bfloat16", optimizer="adamw", foreach=True),
+]
+
+
+@pytest.mark.parametrize("name, fields", PROFILED)
+def test_tracker_agrees_with_torch_profiler_on_hf_models(name, fields, tmp_path):
+    """As tests/test_profiler_agreement.py: two warm-up steps, one tracked, the next profiled; peaks within 0.5 %."""
+    from anatomy_helpers.prediction.hf_step import hf_batch, hf_step, make_hf_optimizer
+    from anatomy_helpers.tracking.tracker import StepTracker
+
+    from .test_profiler_agreement import BOUND, profiled_peaks
+
+    cfg = tiny_config(name, head_dim=16, vocab=512)
+    ft = FineTune(batch_size=4, seq_len=32, **fields)
+    torch.manual_seed(0)
+    model = make_hf_model(cfg, ft)
+    opt = make_hf_optimizer(model, ft)
+    for i in range(2):
+        hf_step(model, opt, hf_batch(cfg.vocab_size, ft, i), ft)
+    with StepTracker(model, opt) as tracker:
+        hf_step(model, opt, hf_batch(cfg.vocab_size, ft, 2), ft)
+    trace = tracker.trace
+    ours = {"step": trace.peak().bytes} | {p: trace.peak(phase=p).bytes for p in ("forward", "backward", "optimizer")}
+    # profiled_peaks runs the course's step, model(x, y)[1] then backward and the optimizer: the HF loss in its place
+    as_course_model = lambda x, y: (None, model(input_ids=x, labels=y).loss)
+    theirs = profiled_peaks(as_course_model, opt, hf_batch(cfg.vocab_size, ft, 3), tmp_path)
+    for key, value in theirs.items():
+        assert abs(ours[key] - value) <= BOUND * value, (key, ours[key], value, f"{(ours[key] - value) / value:+.3%}")
+
+
+def test_without_transformers_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    with pytest.raises(ImportError, match=r'pip install "anatomy_helpers\[hf\]"'):
+        hf_config("gpt2")
