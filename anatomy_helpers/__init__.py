@@ -9,8 +9,10 @@ from .exercises import check_prediction
 from .model import GPT, ModelConfig
 from .plots import CATEGORY_COLORS, plot_module_bars, plot_timeline, plot_timelines
 from .tensors import on_device, optimizer_state_tensors, storage_bytes
-from .tracking.trace import CATEGORIES, PHASES, Peak, PhaseSummary, Timeline, Trace
-from .tracking.tracker import MemoryBudgetExceeded, StepTracker
+from .tracking.events import CATEGORIES, PHASES, Peak, PhaseSummary, Timeline
+from .tracking.recorder import MemoryBudgetExceeded
+from .tracking.trace import Trace
+from .tracking.tracker import StepTracker
 from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps, train_step
 from .units import GiB, MiB
 from .widgets import progress, slider_panel, track_and_plot

@@ -12,8 +12,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.text import Annotation
 
-from .tracking.events import NO_MODULE
-from .tracking.trace import CATEGORIES, PHASES, Trace
+from .tracking.events import CATEGORIES, NO_MODULE, PHASES
+from .tracking.trace import Trace
 from .units import format_bytes, pick_unit
 
 CATEGORY_COLORS = {

@@ -13,7 +13,8 @@ from .checks import optional_callable, positive_int, positive_number
 from .data import seed_everything
 from .model import GPT, ModelConfig
 from .step import StepPlan, run_step
-from .tracking.tracker import StepTracker, Trace
+from .tracking.trace import Trace
+from .tracking.tracker import StepTracker
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from anatomy_helpers import make_model, make_optimizer, track_steps  # noqa: E402
-from anatomy_helpers.tracking.trace import AllocationRecord  # noqa: E402
+from anatomy_helpers.tracking.events import AllocationRecord
 
 # One torch thread per xdist worker when scripts/test.sh runs two workers on two cores: two threads each would
 # oversubscribe the cores, and OpenMP's waiting threads made the unit tests a third slower. Alone: two, as CI has.

@@ -21,7 +21,7 @@ from anatomy_helpers.prediction.allocator import (
     segment_size_for,
     summarize_replay,
 )
-from anatomy_helpers.tracking.trace import AllocationRecord
+from anatomy_helpers.tracking.events import AllocationRecord
 
 from .conftest import make_record
 
@@ -285,11 +285,23 @@ def test_replay_handles_growth_and_zero_byte_storages():
     assert res.step.tolist() == [1, 1, 1, 2, 2, 2, 2] and res.sample.tolist() == list(range(7))
     assert summarize_replay(res) == [
         # step 1 peaks at 5 MiB allocated in its 20 MiB segment: 15 MiB cached, unused
-        StepReplay(1, segments_created=1, reserved_end=20 * MiB, peak_allocated=5 * MiB, peak_reserved=20 * MiB,
-                   gap_at_peak=15 * MiB),
+        StepReplay(
+            1,
+            segments_created=1,
+            reserved_end=20 * MiB,
+            peak_allocated=5 * MiB,
+            peak_reserved=20 * MiB,
+            gap_at_peak=15 * MiB,
+        ),
         # step 2 peaks at 5 + 16 MiB in 20 + 16 MiB of segments
-        StepReplay(2, segments_created=1, reserved_end=36 * MiB, peak_allocated=21 * MiB, peak_reserved=36 * MiB,
-                   gap_at_peak=15 * MiB),
+        StepReplay(
+            2,
+            segments_created=1,
+            reserved_end=36 * MiB,
+            peak_allocated=21 * MiB,
+            peak_reserved=36 * MiB,
+            gap_at_peak=15 * MiB,
+        ),
     ]
 
 

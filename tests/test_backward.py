@@ -21,7 +21,7 @@ from anatomy_helpers.lessons.backward import (
     plot_backward_parts,
     plot_category,
 )
-from anatomy_helpers.tracking.trace import model_parts
+from anatomy_helpers.tracking.events import model_parts
 from anatomy_helpers.units import MiB
 
 from .conftest import SMALL, numel, phase_end, storage_bytes

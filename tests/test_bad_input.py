@@ -8,7 +8,8 @@ import torch
 from torch._C._autograd import _profiler_enabled
 
 from anatomy_helpers import StepTracker, make_model, make_optimizer, track_steps
-from anatomy_helpers.distributed.world import RankJob, run_world
+from anatomy_helpers.distributed.ranks import RankJob
+from anatomy_helpers.distributed.world import run_world
 from anatomy_helpers.prediction.allocator import CachingAllocatorSim, LimitedAllocatorSim, allocator_at
 from anatomy_helpers.prediction.fit import will_it_fit
 

@@ -44,7 +44,7 @@ from anatomy_helpers.lessons.checkpointing_kept import (
 )
 from anatomy_helpers.prediction.formulas import korthikanti_layer_bytes, korthikanti_terms
 from anatomy_helpers.step import step_flops
-from anatomy_helpers.tracking.trace import CATEGORIES
+from anatomy_helpers.tracking.events import CATEGORIES
 from tests.conftest import SMALL, THREADS
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -236,7 +236,7 @@ def test_the_early_answer_check_finds_a_planted_answer(tmp_path):
         return {"cell_type": "code", "source": source, "outputs": [out], "metadata": {}, "execution_count": 1}
 
     meta = {METADATA_KEY: {"name": "peak", "measured": 4.0, "unit": "MiB"}}
-    ask = cell("no prediction yet", meta, "my_x = None\ncheck_prediction(\"peak\", my_x, m)")
+    ask = cell("no prediction yet", meta, 'my_x = None\ncheck_prediction("peak", my_x, m)')
     nb = tmp_path / "99_x.ipynb"
     for before, flagged in (("largest 4.00 MiB (fc)", True), ("grads 4,194,304 bytes", True), ("14.00 MiB", False)):
         nb.write_text(json.dumps({"cells": [cell(before), ask]}))

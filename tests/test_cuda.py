@@ -21,7 +21,8 @@ from anatomy_helpers.tracking.cuda import (
     format_cuda_step_stats,
     format_cuda_vs_simulated,
 )
-from anatomy_helpers.tracking.trace import CudaMark, PhaseMark, Timeline, Trace
+from anatomy_helpers.tracking.events import CudaMark, PhaseMark, Timeline
+from anatomy_helpers.tracking.trace import Trace
 
 MiB = 2**20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -180,7 +180,7 @@ def test_rank_timelines_legend_names_every_category_marker_and_shading(world):
 
     from anatomy_helpers.lessons.scaling import plot_rank_timelines
     from anatomy_helpers.plots import CATEGORY_LABELS
-    from anatomy_helpers.tracking.trace import CATEGORIES
+    from anatomy_helpers.tracking.events import CATEGORIES
 
     fig = plot_rank_timelines(world)
     legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + fig.legends

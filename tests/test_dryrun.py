@@ -17,7 +17,8 @@ from anatomy_helpers.prediction.dryrun import (
     dry_run_config,
     run_steps,
 )
-from anatomy_helpers.tracking.trace import CATEGORIES, Trace
+from anatomy_helpers.tracking.events import CATEGORIES
+from anatomy_helpers.tracking.trace import Trace
 
 from .conftest import SMALL
 

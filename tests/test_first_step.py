@@ -15,7 +15,7 @@ from anatomy_helpers.lessons.first_step import (
 )
 from anatomy_helpers.plots import CourseFigure
 from anatomy_helpers.prediction.allocator import allocator_at, replay
-from anatomy_helpers.tracking.trace import CATEGORIES
+from anatomy_helpers.tracking.events import CATEGORIES
 
 from .conftest import SMALL, make_record, storage_bytes
 from .test_trace_oracles import hand_trace

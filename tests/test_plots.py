@@ -5,7 +5,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from anatomy_helpers import CATEGORY_COLORS, make_model, make_optimizer, plot_module_bars, plot_timeline, track_steps
-from anatomy_helpers.tracking.trace import CATEGORIES
+from anatomy_helpers.tracking.events import CATEGORIES
 
 from .conftest import SMALL
 

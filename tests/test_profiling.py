@@ -13,7 +13,6 @@ import torch
 
 from anatomy_helpers import load_text, make_model, make_optimizer, track_steps
 from anatomy_helpers.lessons.profiling import (
-    PhaseSpan,
     check_answer,
     event_counts,
     format_step_peaks,
@@ -30,16 +29,17 @@ from anatomy_helpers.lessons.profiling import (
     top_ops,
     unknown_split,
 )
+from anatomy_helpers.tracking.events import CATEGORIES, PHASES
 from anatomy_helpers.tracking.profiler import (
     COURSE_CATEGORY,
     PROFILER_CATEGORIES,
+    PhaseSpan,
     ProfilerTimeline,
     load_memory_timeline,
     profiler_trace,
     quiet_profiler,
     sample_phases,
 )
-from anatomy_helpers.tracking.trace import CATEGORIES, PHASES
 
 from .conftest import SMALL, THREADS
 

@@ -33,7 +33,7 @@ from anatomy_helpers.prediction.saved import (
     saved_rows,
     saved_table,
 )
-from anatomy_helpers.tracking.trace import SavedTensor
+from anatomy_helpers.tracking.events import SavedTensor
 
 from .conftest import SMALL, THREADS
 

@@ -15,7 +15,7 @@ from anatomy_helpers import (
     track_steps,
     train_step,
 )
-from anatomy_helpers.tracking.trace import CATEGORIES
+from anatomy_helpers.tracking.events import CATEGORIES
 
 from .conftest import SMALL, phase_end, storage_bytes
 

@@ -27,7 +27,8 @@ import numpy as np
 from ..data import get_batch
 from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure, plot_timeline
 from ..step import StepHooks, StepPlan
-from ..tracking.trace import ACTIVATIONS, GRADIENTS, ROOT, Trace, model_part, model_parts
+from ..tracking.events import ACTIVATIONS, GRADIENTS, ROOT, model_part, model_parts
+from ..tracking.trace import Trace
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
 

@@ -21,7 +21,8 @@ from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFig
 from ..prediction.allocator import CachingAllocatorSim, Replay, replay, summarize_replay
 from ..tables import Col, format_table
 from ..tracking.budget import try_budget
-from ..tracking.trace import CATEGORIES, PHASES, Trace
+from ..tracking.events import CATEGORIES, PHASES
+from ..tracking.trace import Trace
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
 

@@ -18,7 +18,8 @@ import torch.nn as nn
 from ..data import get_batch
 from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure
 from ..prediction.saved import SavedRow, TermComparison, activations_by_part, distinct_bytes, first_savers, saved_rows
-from ..tracking.trace import Trace, model_part
+from ..tracking.events import model_part
+from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..train import make_model, make_optimizer
 from ..units import pick_unit

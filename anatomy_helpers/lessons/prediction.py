@@ -19,7 +19,8 @@ from ..prediction.dryrun import dry_run_config
 from ..prediction.estimate import estimate_step, impl_of, textbook_estimates
 from ..prediction.fit import STEP_PHASES, FitReport, describe, will_it_fit
 from ..tables import Col, format_table
-from ..tracking.trace import CATEGORIES, Trace
+from ..tracking.events import CATEGORIES
+from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, format_bytes, pick_unit

@@ -26,6 +26,7 @@ import torch
 
 from ..step import StepHooks, StepPlan, run_step
 from ..tables import Col, format_table
+from ..tracking.events import CATEGORIES, PHASES
 from ..tracking.profiler import (
     COURSE_CATEGORY,
     STEP_PHASES,
@@ -37,7 +38,7 @@ from ..tracking.profiler import (
     quiet_profiler,
     sample_phases,
 )
-from ..tracking.trace import CATEGORIES, PHASES, Trace
+from ..tracking.trace import Trace
 from ..units import MiB
 
 # Where scripts/record_gpu_reference.py writes its snapshot (in a clone of the repository).

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..checks import int_in, whole_bytes
-from ..tracking.trace import PHASES, AllocationRecord
+from ..tracking.events import PHASES, AllocationRecord
 from ..units import MiB, round_up
 
 MIN_BLOCK = 512  # every block size is a multiple of this

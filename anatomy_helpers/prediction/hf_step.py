@@ -38,9 +38,10 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from ..checks import one_of, positive_int, positive_number
 from ..interrupts import DeferredInterrupt
+from ..step import AUTOCAST_CHOICES
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
-from .dryrun import AUTOCAST_CHOICES, DryRunError, _check_ops, build_fake_model
+from .dryrun import DryRunError, _check_ops, build_fake_model
 from .fake_check import CheckedFakeTensorMode
 from .hf import build_model, hf_config, tiny_config
 

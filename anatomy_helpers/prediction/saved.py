@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..tables import Col, format_table
-from ..tracking.trace import HEAD, SavedTensor, Trace, model_part, model_parts
+from ..tracking.events import HEAD, SavedTensor, model_part, model_parts
+from ..tracking.trace import Trace
 from ..units import MiB
 from .formulas import EXTRA_TERMS, KORTHIKANTI_TERMS, korthikanti_terms
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..tracking.trace import CATEGORIES, AllocationRecord, Trace
+from ..tracking.events import CATEGORIES, AllocationRecord
+from ..tracking.trace import Trace
 from .allocator import ROUND_LARGE, CachingAllocatorSim, allocator_at
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .trace import CATEGORIES, PHASES, PhaseMark, Timeline, Trace
+from .events import CATEGORIES, PHASES, PhaseMark, Timeline
+from .trace import Trace
 
 # The columns of export_memory_timeline's "sizes", in torch's order (torch.profiler._memory_profiler's
 # _CATEGORY_TO_INDEX; None, "unknown", is last). Each row of the JSON has one more column in front, always 0.

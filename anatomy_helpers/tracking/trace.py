@@ -23,15 +23,9 @@ import numpy as np
 from ..checks import positive_int
 from ..tables import Col, format_table
 from ..units import MiB, round_up
-
-# The vocabulary lives in events.py; the names other modules reach for are re-exported here.
-from .events import (  # noqa: F401  (re-exported)
-    ACTIVATIONS,
+from .events import (
     CATEGORIES,
-    GRADIENTS,
-    HEAD,
     PHASES,
-    ROOT,
     AllocationRecord,
     CudaMark,
     Event,
@@ -43,8 +37,6 @@ from .events import (  # noqa: F401  (re-exported)
     SavedTensor,
     Timeline,
     _check_phase,
-    model_part,
-    model_parts,
 )
 
 # ---- the trace ----------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from .events import (
     OpWindow,
     SavedRow,
 )
-from .recorder import FIXED_MODULES, MemoryBudgetExceeded, Recorder  # noqa: F401  (MemoryBudgetExceeded: re-exported)
+from .recorder import FIXED_MODULES, MemoryBudgetExceeded, Recorder
 from .scratch import MemoryEvents
 from .trace import Trace
 
