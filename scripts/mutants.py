@@ -308,6 +308,20 @@ MUTANTS = [
         ("tests/test_recorder.py", "tests/test_distributed.py"),
     ),
     Mutant(
+        "events.communication-beats-gradients",
+        "tracking/events.py",
+        '    "gradients",\n    "communication",\n',
+        '    "communication",\n    "gradients",\n',
+        ("tests/test_recorder.py",),
+    ),
+    Mutant(
+        "ranks.watched-resize-lost",
+        "distributed/ranks.py",
+        "                self.resize(alloc_id, t.untyped_storage().nbytes())",
+        "                pass",
+        ("tests/test_recorder.py",),
+    ),
+    Mutant(
         "events.loss-outside-the-head",
         "tracking/events.py",
         '_HEAD_MODULES = ("ln_f", "lm_head", ROOT)',
