@@ -8,10 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from anatomy_helpers.lessons.first_step import plot_allocator
-from anatomy_helpers.prediction.allocator import replay
-from anatomy_helpers.tracking import cuda
-from anatomy_helpers.tracking.cuda import (
+from anatomy_helpers.cuda import (
     CudaStats,
     SimVsReal,
     choose_cuda_limit,
@@ -21,6 +18,9 @@ from anatomy_helpers.tracking.cuda import (
     format_cuda_step_stats,
     format_cuda_vs_simulated,
 )
+from anatomy_helpers.lessons.first_step import plot_allocator
+from anatomy_helpers.prediction.allocator import replay
+from anatomy_helpers.tracking import cuda
 from anatomy_helpers.tracking.events import CudaMark, PhaseMark, Timeline
 from anatomy_helpers.tracking.trace import Trace
 

@@ -129,8 +129,8 @@ def test_optimizer_phase_panels_one_per_step(trace):
 
 
 def test_budget_plot_marks_the_failure_and_the_model_that_does_not_fit():
+    from anatomy_helpers.budget import try_budget
     from anatomy_helpers.plots import plot_budget_run
-    from anatomy_helpers.tracking.budget import try_budget
 
     failed = try_budget(2**20, batch_size=2, steps=2, **SMALL)  # SMALL's step 2 needs more than 1 MiB
     assert not failed.passed

@@ -21,11 +21,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..budget import try_budget
 from ..data import get_batch, seed_everything
 from ..plots import CourseFigure, plot_timeline
 from ..step import step_flops
 from ..tables import Col, format_table
-from ..tracking.budget import try_budget
 from ..tracking.trace import Trace
 from ..train import make_model, make_optimizer, track_steps
 from ..units import MiB, pick_unit
@@ -417,7 +417,7 @@ class CudaPeak:
 def cuda_peaks(policies: list[Policy], *, steps: int = 2, batch_size: int = 8, device=None, **model_config):
     """Per policy, a fresh model trained ``steps`` tracked steps on the GPU; the last step's tracked peak beside
     ``torch.cuda.max_memory_allocated()`` (reset before each step). Needs CUDA."""
-    from ..tracking.cuda import cuda_run_under_limit  # refuses a CPU device
+    from ..cuda import cuda_run_under_limit  # refuses a CPU device
 
     out = []
     for p in policies:

@@ -4,8 +4,8 @@ run can pass step 1 and fail step 2.
 What only this lesson uses: the step-by-step peak table, optimizer-state births, the replay summary and
 the allocator plots (segments over time, the segment map), and the notebook's two slider panels. The
 allocator simulator and its limits (:mod:`anatomy_helpers.prediction.allocator`), snapshots
-(:mod:`anatomy_helpers.prediction.snapshot`), budget runs (:mod:`anatomy_helpers.tracking.budget`) and the real GPU
-helpers (:mod:`anatomy_helpers.tracking.cuda`) are core: later lessons use them too.
+(:mod:`anatomy_helpers.prediction.snapshot`), budget runs (:mod:`anatomy_helpers.budget`) and the real GPU
+helpers (:mod:`anatomy_helpers.cuda`) are core: later lessons use them too.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -17,10 +17,10 @@ from collections.abc import Iterable
 import numpy as np
 from matplotlib.patches import Patch
 
+from ..budget import try_budget
 from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure, plot_budget_run
 from ..prediction.allocator import CachingAllocatorSim, Replay, replay, summarize_replay
 from ..tables import Col, format_table
-from ..tracking.budget import try_budget
 from ..tracking.events import CATEGORIES, PHASES
 from ..tracking.trace import Trace
 from ..train import make_model, make_optimizer, track_steps

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..data import get_batch
-from ..prediction.allocator import ROUND_LARGE, replay
-from ..tables import Col, format_table
-from ..train import make_model, make_optimizer, track_steps, train_step
-from ..units import MiB, round_up
-from .trace import Trace
+from .data import get_batch
+from .prediction.allocator import ROUND_LARGE, replay
+from .tables import Col, format_table
+from .tracking.trace import Trace
+from .train import make_model, make_optimizer, track_steps, train_step
+from .units import MiB, round_up
 
 
 def _cuda_device(device=None) -> torch.device:

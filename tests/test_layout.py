@@ -1,0 +1,81 @@
+"""The package's layers as CONTRIBUTING draws them: each module imports only from its own layer or the ones above
+it (no cycles between layers), subpackage __init__ files hold no code, no module passes 500 lines."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "anatomy_helpers"
+
+# layer of each top-level module or subpackage, as in CONTRIBUTING's "Layout"
+LAYERS = {
+    **dict.fromkeys(("units", "tables", "checks", "tensors", "interrupts", "data", "checkpointing", "model"), 1),
+    "tracking": 2,
+    **dict.fromkeys(("step", "train"), 3),
+    "prediction": 4,
+    "distributed": 5,
+    **dict.fromkeys(("budget", "cuda", "plots", "widgets", "exercises", "cli", "__init__", "__main__"), 6),
+    "lessons": 7,
+}
+# the one upward import CONTRIBUTING names: the model reads its parameter count from a leaf of closed forms
+ALLOWED = {("model", "prediction.formulas")}
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def dotted(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
+def imported(path: Path) -> set[str]:
+    """Package modules ``path`` imports (relative imports resolved; function-level imports included)."""
+    here = dotted(path).split(".")[:-1] if path.name != "__init__.py" else dotted(path).split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - (node.level - 1)]
+            if node.module:
+                found.add(".".join(base + [node.module]))
+            else:  # from . import a, b: submodules
+                found.update(".".join(base + [a.name]) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("anatomy_helpers."):
+            found.add(node.module.removeprefix("anatomy_helpers."))
+    return found
+
+
+def layer(module: str) -> int:
+    return LAYERS[module.split(".")[0]]
+
+
+def test_every_module_has_a_layer():
+    assert {dotted(p).split(".")[0] for p in MODULES} <= set(LAYERS)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=dotted)
+def test_a_module_imports_only_from_its_layer_or_above(path):
+    me = dotted(path)
+    upward = sorted(
+        m for m in imported(path) if layer(m) > layer(me) and (me, m) not in ALLOWED and m.split(".")[0] != "__init__"
+    )
+    assert upward == [], f"{me} (layer {layer(me)}) imports from a lower layer: {upward}"
+
+
+def test_the_layer_check_sees_a_violation():
+    # the check itself: plots (6) importing a lesson (7) would be refused
+    assert layer("lessons.forward") > layer("plots") and layer("tracking.trace") < layer("train")
+
+
+def test_ranks_never_imports_world():
+    assert "distributed.world" not in imported(PACKAGE / "distributed" / "ranks.py")
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.glob("*/__init__.py")), ids=dotted)
+def test_a_subpackage_init_holds_only_its_docstring(path):
+    body = ast.parse(path.read_text()).body
+    assert len(body) <= 1 and all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=dotted)
+def test_no_module_passes_500_lines(path):
+    assert len(path.read_text().splitlines()) <= 500
