@@ -43,8 +43,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..tracking.events import PHASES
-
 #: The largest call (bytes of its inputs' storages and its outputs' new ones) run for real to check its fake kernel.
 MAX_CHECK_BYTES = 64 * 2**20
 
@@ -139,7 +137,7 @@ def _where() -> str:
     tracker = StepTracker._running
     if tracker is None:
         return "outside the tracked step"
-    return f"in module {tracker._modules[tracker._module]!r}, {PHASES[tracker._phase]} phase"
+    return f"in module {tracker.module!r}, {tracker.phase} phase"
 
 
 class CheckedFakeTensorMode(FakeTensorMode):

@@ -179,6 +179,11 @@ class Recorder:
         return PHASES[self._phase]
 
     @property
+    def module(self) -> str:
+        """The name of the module now running ("-" outside any module)."""
+        return self._modules[self._module]
+
+    @property
     def samples(self) -> int:
         """Timeline samples recorded so far (the baseline not counted): the next one gets this index."""
         return len(self._events) - (self._n_baseline or 0)
