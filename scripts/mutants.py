@@ -205,6 +205,20 @@ MUTANTS = [
         ("tests/test_prediction.py::test_fit_report_by_hand",),
     ),
     Mutant(
+        "hf_fit.sharding-leaves-the-timeline-whole",
+        "prediction/hf_fit.py",
+        "return replace(rec, bytes=scaled), np.cumsum(change, axis=0)[n0:]",
+        "return replace(rec, bytes=scaled), 0 * np.cumsum(change, axis=0)[n0:]",
+        ("tests/test_hf_fit.py::test_per_rank_reports_shrink_the_model_states_and_keep_the_activations",),
+    ),
+    Mutant(
+        "hf_fit.fit-checked-against-the-whole-device",
+        "prediction/hf_fit.py",
+        "failure = allocator_failure(record, rep, dev.usable)",
+        "failure = allocator_failure(record, rep, dev.total)",
+        ("tests/test_hf_fit.py::test_the_report_holds_the_dry_runs_peaks_and_its_verdict_follows_the_device",),
+    ),
+    Mutant(
         "snapshot.blocks-at-their-segments-start",
         "prediction/snapshot.py",
         "        addr = self.address[b.segment.id] + b.offset\n",
