@@ -2,7 +2,8 @@
 
 ``python -m anatomy_helpers predict ...``: dry-run two steps of a configuration and say whether it fits on a GPU
 (which phase of which step runs out first), without running it (notebook 06; ``--json`` for a machine-readable
-answer, ``--fix`` for the ranked candidate fixes).
+answer, ``--fix`` for the ranked candidate fixes). ``predict --hf MODEL ...``: the same for a Hugging Face
+model's fine-tune (cli_hf.py).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def build_predict_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m anatomy_helpers predict",
         description="Dry-run two training steps (fake tensors: nothing is allocated) and say whether they fit on a "
-        "GPU, and if not, which phase of which step runs out first.",
+        "GPU, and if not, which phase of which step runs out first. For a Hugging Face model's fine-tune: "
+        "predict --hf MODEL (see predict --hf x --help).",
     )
     p.add_argument("--block", choices=("gpt2", "llama"), default="gpt2", help="block (default: gpt2)")
     _add_step_options(p, f"transformer blocks, at most {MAX_LAYERS}")
@@ -150,6 +152,24 @@ def _predict_config(args) -> ModelConfig:
     )
 
 
+def report_answer(report, device) -> dict:
+    """A FitReport as a JSON-ready dict (bytes): the verdict, each phase and the peak's breakdown."""
+    return {
+        "config": report.label,
+        "device": report.device,
+        "capacity_bytes": report.capacity,
+        "usable_bytes": report.usable,
+        "compute_capability": None if device.capability is None else ".".join(map(str, device.capability)),
+        "rules": report.rules,
+        "fits": report.fits,
+        "runs_out_first": None if report.failure is None else dict(zip(("step", "phase"), report.failure)),
+        "phases": [
+            dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved) for p in report.phases
+        ],
+        "peak_breakdown_bytes": report.peak.breakdown,
+    }
+
+
 def predict_main(argv: list[str]) -> int:
     import json
 
@@ -157,6 +177,10 @@ def predict_main(argv: list[str]) -> int:
     from .prediction.fit import FitRequest, will_it_fit
     from .prediction.fixes import cheapest_fix, fixes_table
 
+    if any(a == "--hf" or a.startswith("--hf=") for a in argv):  # a Hugging Face model: cli_hf.py
+        from .cli_hf import hf_predict_main
+
+        return hf_predict_main(argv)
     parser = build_predict_parser()
     args = parser.parse_args(argv)
     try:  # every value is checked here, before any dry run
@@ -169,18 +193,7 @@ def predict_main(argv: list[str]) -> int:
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
     fixes = cheapest_fix(cfg, args.batch_size, micro_batches=args.micro_batches, **kw) if args.fix else []
     if args.json:
-        answer = {
-            "config": report.label,
-            "device": report.device,
-            "capacity_bytes": report.capacity,
-            "usable_bytes": report.usable,
-            "compute_capability": None if device.capability is None else ".".join(map(str, device.capability)),
-            "fits": report.fits,
-            "runs_out_first": None if report.failure is None else dict(zip(("step", "phase"), report.failure)),
-            "phases": [
-                dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved)
-                for p in report.phases
-            ],
+        answer = report_answer(report, device) | {
             "fixes": [
                 dict(
                     change=f.name,
