@@ -170,6 +170,21 @@ def report_answer(report, device) -> dict:
     }
 
 
+def fixes_answer(fixes) -> list[dict]:
+    """Ranked fixes (prediction/fixes.py Fix) as JSON-ready dicts."""
+    return [
+        dict(
+            change=f.name,
+            fits=f.fits,
+            peak_bytes=f.report.peak.tensors,
+            extra_flops=f.extra_flops,
+            changes=f.effect,
+            changes_training=f.changes_training,
+        )
+        for f in fixes
+    ]
+
+
 def predict_main(argv: list[str]) -> int:
     import json
 
@@ -193,19 +208,7 @@ def predict_main(argv: list[str]) -> int:
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
     fixes = cheapest_fix(cfg, args.batch_size, micro_batches=args.micro_batches, **kw) if args.fix else []
     if args.json:
-        answer = report_answer(report, device) | {
-            "fixes": [
-                dict(
-                    change=f.name,
-                    fits=f.fits,
-                    peak_bytes=f.report.peak.tensors,
-                    extra_flops=f.extra_flops,
-                    changes=f.effect,
-                    changes_training=f.changes_training,
-                )
-                for f in fixes
-            ],
-        }
+        answer = report_answer(report, device) | {"fixes": fixes_answer(fixes)}
         print(json.dumps(answer, indent=2))
     else:
         print(report.table())

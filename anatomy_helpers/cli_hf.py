@@ -56,6 +56,7 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=tuple(ZERO_STRATEGIES), default=None,
                    help="ZeRO stage with --world-size > 1 (default: 0, DDP)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.add_argument("--fix", action="store_true", help="also dry-run and rank candidate fixes (a dry run each)")
     return p
 
 
@@ -104,12 +105,14 @@ def _fine_tune(args):
 def hf_predict_main(argv: list[str]) -> int:
     import json
 
-    from .cli import report_answer
+    from .cli import fixes_answer, report_answer
     from .prediction.devices import DEVICES, gib_device
     from .prediction.dryrun import DryRunError
     from .prediction.fit import usable_device
+    from .prediction.fixes import fixes_table
     from .prediction.hf import hf_config
     from .prediction.hf_fit import will_it_fit_hf
+    from .prediction.hf_fixes import cheapest_fix_hf
 
     parser = build_hf_predict_parser()
     args = parser.parse_args(argv)
@@ -128,13 +131,17 @@ def hf_predict_main(argv: list[str]) -> int:
         parser.exit(1, f"dry run refused: {e}\n")
     except (ValueError, ImportError) as e:  # e.g. a --freeze prefix or a LoRA target the model does not have
         parser.error(str(e))
+    fixes = cheapest_fix_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero) if args.fix else []
     if args.json:
         answer = report_answer(report, device) | {
             "world_size": args.world_size,
             "zero": args.zero,
             "note": report.note,
+            "fixes": fixes_answer(fixes),
         }
         print(json.dumps(answer, indent=2))
     else:
         print(report.table())
+        if fixes:
+            print(fixes_table(fixes))
     return 0

@@ -219,6 +219,13 @@ MUTANTS = [
         ("tests/test_hf_fit.py::test_the_report_holds_the_dry_runs_peaks_and_its_verdict_follows_the_device",),
     ),
     Mutant(
+        "hf_fixes.every-layer-counted-as-the-first",
+        "prediction/hf_fixes.py",
+        "return f1 + (cfg.num_hidden_layers - 1) * (f2 - f1)",
+        "return cfg.num_hidden_layers * f1",
+        ("tests/test_hf_fit.py::test_the_flop_count_from_one_and_two_layers_is_the_whole_models",),
+    ),
+    Mutant(
         "snapshot.blocks-at-their-segments-start",
         "prediction/snapshot.py",
         "        addr = self.address[b.segment.id] + b.offset\n",

@@ -24,7 +24,7 @@ def tiny_json(tmp_path_factory):
 def test_predict_hf_answers_with_the_will_it_fit_reports_numbers(tiny_json, capsys):
     args = ["predict", "--hf", str(tiny_json), "--seq-len", "16", "--batch-size", "2", "--lora-rank", "4"]
     more = ["--lora-targets", "q_proj", "v_proj", "--gradient-checkpointing", "--gpu", "h100"]
-    assert main([*args, *more, "--world-size", "4", "--zero", "3", "--json"]) == 0
+    assert main([*args, *more, "--world-size", "4", "--zero", "3", "--json", "--fix"]) == 0
     answer = json.loads(capsys.readouterr().out)
     ft = FineTune(
         batch_size=2, seq_len=16, dtype="bfloat16", method="lora", lora_rank=4, lora_alpha=8,
@@ -37,6 +37,8 @@ def test_predict_hf_answers_with_the_will_it_fit_reports_numbers(tiny_json, caps
     assert answer["peak_breakdown_bytes"] == report.peak.breakdown and answer["fits"] and answer["zero"] == 3
     assert "LoRA r=4" in answer["config"] and "under fsdp2_zero3" in answer["note"]
     assert answer["rules"].startswith("CPU kernels") and answer["device"] == "H100 80GB HBM3"
+    # already LoRA, checkpointed, bf16 and at ZeRO-3: what is left to try is accumulation and the fused AdamW
+    assert {f["change"] for f in answer["fixes"]} == {"micro-batch 1 x 2", "fused optimizer"}
 
 
 def test_predict_hf_on_a_full_size_shipped_model(capsys):
@@ -80,5 +82,5 @@ def test_predict_hf_help_lists_its_options(capsys):
     with pytest.raises(SystemExit):
         main(["predict", "--hf", "gpt2", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--lora-rank", "--freeze", "--gradient-checkpointing", "--world-size", "--zero", "--json", "gpt2"):
+    for flag in ("--lora-rank", "--freeze", "--gradient-checkpointing", "--world-size", "--zero", "--json", "--fix"):
         assert flag in out

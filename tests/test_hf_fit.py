@@ -97,3 +97,30 @@ def test_bad_requests_are_refused_before_any_dry_run(kw, message):
     args = {"model": "llama-3.1-8b", "fine_tune": FULL, "device": "a100-80"} | kw
     with pytest.raises(ValueError, match=message):
         will_it_fit_hf(args.pop("model"), **args)
+
+
+def test_the_flop_count_from_one_and_two_layers_is_the_whole_models():
+    from anatomy_helpers.prediction.hf_fixes import _flops_of, hf_step_flops
+
+    cfg = tiny_config("llama-3.2-1b", layers=3)
+    for ft in (FineTune(), FineTune(gradient_checkpointing=True, batch_size=2, micro_batches=2)):
+        assert hf_step_flops(cfg, ft) == _flops_of(cfg, ft) > 0
+
+
+def test_cheapest_fix_hf_ranks_dry_run_candidates(runs):
+    from anatomy_helpers.prediction.fixes import EFFECTS
+    from anatomy_helpers.prediction.hf_fixes import cheapest_fix_hf
+
+    cfg, _ = runs
+    ft = FineTune(dtype="bfloat16", fused=True)  # candidates: 2 micro-batches, checkpointing, ZeRO-1/2/3, LoRA
+    trace = dry_run_hf(cfg, ft)
+    device = get_device("h100").context + trace.peak().bytes - 1  # the request itself does not fit
+    assert not will_it_fit_hf(cfg, ft, device, world_size=2, trace=trace).fits
+    fixes = cheapest_fix_hf(cfg, ft, device, world_size=2)
+    by_name = {f.name: f for f in fixes}
+    assert set(by_name) == {"micro-batch 1 x 2", "gradient checkpointing", "ZeRO-1", "ZeRO-2", "ZeRO-3", "LoRA r=16"}
+    zero3 = will_it_fit_hf(cfg, ft, device, world_size=2, zero=3, trace=trace)
+    assert by_name["ZeRO-3"].report.phases == zero3.phases  # the request's own dry run, per rank
+    assert by_name["micro-batch 1 x 2"].extra_flops == 0 and by_name["gradient checkpointing"].extra_flops > 0
+    ranks = [(not f.fits, EFFECTS.index(f.effect)) for f in fixes]
+    assert ranks == sorted(ranks)  # what fits first, then by what it changes (tiny: 2 MiB segments decide "fits")

@@ -121,6 +121,19 @@ def describe_hf(cfg, ft: FineTune, name: str | None = None) -> str:
     return ", ".join(parts)
 
 
+def check_request(model, fine_tune: FineTune, device, world_size: int, zero: int | None):
+    """(the config, the Device) of a will-it-fit request; ValueError naming the argument that is wrong."""
+    cfg = hf_config(model)
+    if not isinstance(fine_tune, FineTune):
+        raise ValueError(f"fine_tune must be a FineTune, got {type(fine_tune).__name__}")
+    dev = usable_device(device)
+    positive_int("world_size", world_size)
+    one_of("zero", zero, (None, *ZERO_STRATEGIES))
+    if zero is not None and world_size == 1:
+        raise ValueError(f"zero={zero} shards across ranks: it needs world_size > 1")
+    return cfg, dev
+
+
 def will_it_fit_hf(
     model,
     fine_tune: FineTune | None = None,
@@ -138,15 +151,8 @@ def will_it_fit_hf(
     DDP, the default; 1, 2, 3). One rank's model states follow the ZeRO formulas (module docstring), so the
     report is per rank. ``trace``: the dry run of ``fine_tune`` on ``model``, if already made (it is not checked).
     """
-    cfg = hf_config(model)
     fine_tune = FineTune() if fine_tune is None else fine_tune
-    if not isinstance(fine_tune, FineTune):
-        raise ValueError(f"fine_tune must be a FineTune, got {type(fine_tune).__name__}")
-    dev = usable_device(device)
-    positive_int("world_size", world_size)
-    one_of("zero", zero, (None, *ZERO_STRATEGIES))
-    if zero is not None and world_size == 1:
-        raise ValueError(f"zero={zero} shards across ranks: it needs world_size > 1")
+    cfg, dev = check_request(model, fine_tune, device, world_size, zero)
     trace = dry_run_hf(cfg, fine_tune, steps=2) if trace is None else trace
     label = describe_hf(cfg, fine_tune, model if isinstance(model, str) else None)
     if world_size == 1:
