@@ -2,7 +2,8 @@
 
 ``python -m anatomy_helpers predict ...``: dry-run two steps of a configuration and say whether it fits on a GPU
 (which phase of which step runs out first), without running it (notebook 06; ``--json`` for a machine-readable
-answer, ``--fix`` for the ranked candidate fixes).
+answer, ``--fix`` for the ranked candidate fixes). ``predict --hf MODEL ...``: the same for a Hugging Face
+model's fine-tune (cli_hf.py).
 """
 
 from __future__ import annotations
@@ -14,32 +15,10 @@ from pathlib import Path
 import torch
 from matplotlib.backend_bases import FigureCanvasBase
 
-from .checks import int_in, positive_int, positive_number
+from .cli_common import fixes_answer, positive_gib_arg, positive_int_arg, report_answer, seed_arg
 from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
 from .plots import plot_timeline
 from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
-
-
-def _argument(parse, check, what: str):
-    """An argparse ``type``: ``parse`` the text (``what`` is expected), then ``check`` the value (checks.py says
-    why it is refused)."""
-
-    def convert(text: str):
-        try:
-            value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        try:
-            return check(value)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e).removeprefix("the value ")) from None
-
-    return convert
-
-
-_positive_int = _argument(int, lambda v: positive_int("the value", v), "a whole number")
-_seed = _argument(int, lambda v: int_in("the value", v, 0, 2**32, "2**32"), "a whole number")
-_positive_gib = _argument(float, lambda v: positive_number("the value", v), "a number of GiB")
 
 
 def _check_out_path(out: str) -> None:
@@ -61,11 +40,13 @@ def _add_step_options(p: argparse.ArgumentParser, layers_help: str = "transforme
     """The options both commands share: the model's sizes, its attention, dtype and dropout, the batch and the
     optimizer (defaults: ModelConfig's)."""
     d = ModelConfig()
-    p.add_argument("--layers", type=_positive_int, default=d.n_layer, help=f"{layers_help} (default: {d.n_layer})")
-    p.add_argument("--d-model", type=_positive_int, default=d.d_model, help=f"hidden size (default: {d.d_model})")
-    p.add_argument("--heads", type=_positive_int, default=d.n_head, help=f"attention heads (default: {d.n_head})")
-    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help=f"sequence length (default: {d.seq_len})")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per optimizer step (default: 8)")
+    p.add_argument("--layers", type=positive_int_arg, default=d.n_layer, help=f"{layers_help} (default: {d.n_layer})")
+    p.add_argument("--d-model", type=positive_int_arg, default=d.d_model, help=f"hidden size (default: {d.d_model})")
+    p.add_argument("--heads", type=positive_int_arg, default=d.n_head, help=f"attention heads (default: {d.n_head})")
+    p.add_argument(
+        "--seq-len", type=positive_int_arg, default=d.seq_len, help=f"sequence length (default: {d.seq_len})"
+    )
+    p.add_argument("--batch-size", type=positive_int_arg, default=8, help="sequences per optimizer step (default: 8)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
     p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
@@ -79,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(a phase x category table in MiB, the peak and the module it happened in), then save the timeline plot.",
     )
     _add_step_options(p)
-    p.add_argument("--steps", type=_positive_int, default=3, help="training steps to track (default: 3)")
+    p.add_argument("--steps", type=positive_int_arg, default=3, help="training steps to track (default: 3)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA if available, else CPU)")
-    p.add_argument("--seed", type=_seed, default=0, help="seed for weights and batches, in [0, 2**32) (default: 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed for weights and batches, in [0, 2**32) (default: 0)")
     p.add_argument(
         "--out", default="timeline.png", help="file for the timeline plot; .png, .svg, .pdf ... (default: timeline.png)"
     )
@@ -98,18 +79,22 @@ def build_predict_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m anatomy_helpers predict",
         description="Dry-run two training steps (fake tensors: nothing is allocated) and say whether they fit on a "
-        "GPU, and if not, which phase of which step runs out first.",
+        "GPU, and if not, which phase of which step runs out first. For a Hugging Face model's fine-tune: "
+        "predict --hf MODEL (see predict --hf x --help).",
     )
     p.add_argument("--block", choices=("gpt2", "llama"), default="gpt2", help="block (default: gpt2)")
     _add_step_options(p, f"transformer blocks, at most {MAX_LAYERS}")
-    p.add_argument("--kv-heads", type=_positive_int, default=None, help="llama: key/value heads (default: heads)")
+    p.add_argument("--kv-heads", type=positive_int_arg, default=None, help="llama: key/value heads (default: heads)")
     p.add_argument(
-        "--mlp-ratio", type=_positive_int, default=d.mlp_ratio, help=f"MLP width / hidden size (default: {d.mlp_ratio})"
+        "--mlp-ratio",
+        type=positive_int_arg,
+        default=d.mlp_ratio,
+        help=f"MLP width / hidden size (default: {d.mlp_ratio})",
     )
     p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
-    p.add_argument("--vocab", type=_positive_int, default=d.vocab_size, help=f"vocabulary (default: {d.vocab_size})")
+    p.add_argument("--vocab", type=positive_int_arg, default=d.vocab_size, help=f"vocabulary (default: {d.vocab_size})")
     p.add_argument(
-        "--micro-batches", type=_positive_int, default=1, help="gradient accumulation: micro-batches per step, "
+        "--micro-batches", type=positive_int_arg, default=1, help="gradient accumulation: micro-batches per step, "
         "dividing --batch-size (default: 1)"
     )  # fmt: skip
     p.add_argument("--impl", choices=tuple(IMPLEMENTATION_FLAGS), default="foreach", help="(default: foreach)")
@@ -117,12 +102,12 @@ def build_predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--autocast", choices=autocasts, default=None, help="mixed precision (default: off)")
     p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default="none", help="(default: none)")
     p.add_argument(
-        "--checkpoint-every", type=_positive_int, default=None, help="with --checkpoint every_k: blocks per "
+        "--checkpoint-every", type=positive_int_arg, default=None, help="with --checkpoint every_k: blocks per "
         "checkpointed segment (default: 1)"
     )  # fmt: skip
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", type=str.lower, choices=tuple(DEVICES), default="t4", help="the device (default: t4)")
-    gpu.add_argument("--gpu-gib", type=_positive_gib, default=None, help="a device of this many GiB instead")
+    gpu.add_argument("--gpu-gib", type=positive_gib_arg, default=None, help="a device of this many GiB instead")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.add_argument("--fix", action="store_true", help="also dry-run and rank the candidate fixes")
     return p
@@ -157,6 +142,10 @@ def predict_main(argv: list[str]) -> int:
     from .prediction.fit import FitRequest, will_it_fit
     from .prediction.fixes import cheapest_fix, fixes_table
 
+    if any(a == "--hf" or a.startswith("--hf=") for a in argv):  # a Hugging Face model: cli_hf.py
+        from .cli_hf import hf_predict_main
+
+        return hf_predict_main(argv)
     parser = build_predict_parser()
     args = parser.parse_args(argv)
     try:  # every value is checked here, before any dry run
@@ -169,30 +158,7 @@ def predict_main(argv: list[str]) -> int:
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
     fixes = cheapest_fix(cfg, args.batch_size, micro_batches=args.micro_batches, **kw) if args.fix else []
     if args.json:
-        answer = {
-            "config": report.label,
-            "device": report.device,
-            "capacity_bytes": report.capacity,
-            "usable_bytes": report.usable,
-            "compute_capability": None if device.capability is None else ".".join(map(str, device.capability)),
-            "fits": report.fits,
-            "runs_out_first": None if report.failure is None else dict(zip(("step", "phase"), report.failure)),
-            "phases": [
-                dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved)
-                for p in report.phases
-            ],
-            "fixes": [
-                dict(
-                    change=f.name,
-                    fits=f.fits,
-                    peak_bytes=f.report.peak.tensors,
-                    extra_flops=f.extra_flops,
-                    changes=f.effect,
-                    changes_training=f.changes_training,
-                )
-                for f in fixes
-            ],
-        }
+        answer = report_answer(report, device) | {"fixes": fixes_answer(fixes)}
         print(json.dumps(answer, indent=2))
     else:
         print(report.table())

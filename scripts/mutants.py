@@ -205,6 +205,27 @@ MUTANTS = [
         ("tests/test_prediction.py::test_fit_report_by_hand",),
     ),
     Mutant(
+        "hf_fit.sharding-leaves-the-timeline-whole",
+        "prediction/hf_fit.py",
+        "return replace(rec, bytes=scaled), np.cumsum(change, axis=0)[n0:]",
+        "return replace(rec, bytes=scaled), 0 * np.cumsum(change, axis=0)[n0:]",
+        ("tests/test_hf_fit.py::test_per_rank_reports_shrink_the_model_states_and_keep_the_activations",),
+    ),
+    Mutant(
+        "hf_fit.fit-checked-against-the-whole-device",
+        "prediction/hf_fit.py",
+        "failure = allocator_failure(record, rep, dev.usable)",
+        "failure = allocator_failure(record, rep, dev.total)",
+        ("tests/test_hf_fit.py::test_the_report_holds_the_dry_runs_peaks_and_its_verdict_follows_the_device",),
+    ),
+    Mutant(
+        "hf_fixes.every-layer-counted-as-the-first",
+        "prediction/hf_fixes.py",
+        "return f1 + (cfg.num_hidden_layers - 1) * (f2 - f1)",
+        "return cfg.num_hidden_layers * f1",
+        ("tests/test_hf_fit.py::test_the_flop_count_from_one_and_two_layers_is_the_whole_models",),
+    ),
+    Mutant(
         "snapshot.blocks-at-their-segments-start",
         "prediction/snapshot.py",
         "        addr = self.address[b.segment.id] + b.offset\n",
@@ -243,15 +264,15 @@ MUTANTS = [
     ),
     # ---- distributed: the ZeRO formulas
     Mutant(
-        "world.zero1-shards-gradients",
-        "distributed/world.py",
+        "formulas.zero1-shards-gradients",
+        "prediction/formulas.py",
         '"gradients": n_params * grad_bytes / (n if stage >= 2 else 1)',
         '"gradients": n_params * grad_bytes / (n if stage >= 1 else 1)',
         ("tests/test_closed_form_oracles.py",),
     ),
     Mutant(
-        "world.zero3-keeps-whole-parameters",
-        "distributed/world.py",
+        "formulas.zero3-keeps-whole-parameters",
+        "prediction/formulas.py",
         '"parameters": n_params * param_bytes / (n if stage >= 3 else 1)',
         '"parameters": n_params * param_bytes / (n if stage > 3 else 1)',
         ("tests/test_closed_form_oracles.py",),

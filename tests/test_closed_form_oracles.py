@@ -6,9 +6,9 @@ Each expectation is written from what torch does (named in the test), not from e
 import pytest
 import torch
 
-from anatomy_helpers.distributed.world import zero_model_states
 from anatomy_helpers.model import GPT, ModelConfig
 from anatomy_helpers.prediction.estimate import backward_moments, optimizer_temporaries
+from anatomy_helpers.prediction.formulas import zero_model_states
 
 from .conftest import SMALL
 

@@ -12,7 +12,8 @@ import torch
 
 from anatomy_helpers import make_model
 from anatomy_helpers.distributed.ranks import STRATEGIES, RankJob
-from anatomy_helpers.distributed.world import format_rank_table, rank_rows, run_world, zero_model_states
+from anatomy_helpers.distributed.world import format_rank_table, rank_rows, run_world
+from anatomy_helpers.prediction.formulas import zero_model_states
 
 from .conftest import SMALL
 

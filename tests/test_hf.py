@@ -88,41 +88,43 @@ def _case(name, **fields):
 
 FROZEN = {  # the embeddings and the first layer
     "gpt2": ("transformer.wte.", "transformer.wpe.", "transformer.h.0."),
-    "gemma-2-2b": ("model.embed_tokens.", "model.layers.0."),
 }
-DENSE = [n for n in SHIPPED if n != "mixtral-8x7b"]
-ATTN = {"gemma-2-2b": "eager"}  # transformers refuses SDPA for Gemma 2 (its logit softcapping)
-SWEEP = (
-    [_case(n, attn_implementation=ATTN.get(n, "sdpa")) for n in DENSE]
-    + [
-        _case(
-            n,
-            attn_implementation="eager",
-            method="frozen",
-            freeze=FROZEN.get(n, ("model.embed_tokens.", "model.layers.0.")),
-        )
-        for n in DENSE
-    ]
-    + [
-        _case(n, attn_implementation="eager", method="lora", dtype="bfloat16", gradient_checkpointing=True)
-        for n in DENSE
-    ]
-    + [
-        _case("llama-3.2-1b", method="lora", dtype="bfloat16", lora_rank=4, lora_targets=("q_proj", "v_proj")),
-        _case("gpt2", attn_implementation="eager", gradient_checkpointing=True, optimizer="sgd"),
-        _case("qwen2.5-0.5b", gradient_checkpointing=True, optimizer="adamw", fused=True),
-        _case("phi-3-mini-4k", micro_batches=2, batch_size=4, autocast="bfloat16", foreach=True),
-        _case(
-            "mistral-7b-v0.3", dtype="bfloat16", method="frozen", freeze=("model.layers.",), gradient_checkpointing=True
-        ),
-        _case("gemma-2-2b", attn_implementation="eager", gradient_checkpointing=True, optimizer="momentum"),
-        # mixture of experts: transformers' default grouped_mm, whose shapes do not depend on the routing
-        _case("mixtral-8x7b", dtype="bfloat16"),
-        _case("mixtral-8x7b", dtype="bfloat16", attn_implementation="eager", gradient_checkpointing=True),
-        _case("mixtral-8x7b", dtype="bfloat16", method="lora", lora_targets=("q_proj", "v_proj")),
-        _case("mixtral-8x7b", experts_implementation="batched_mm"),
-    ]
-)
+LAYER0 = ("model.embed_tokens.", "model.layers.0.")
+# Every shipped architecture at least once, each feature at least once, features combined so the sweep stays short:
+# eager/sdpa (Gemma 2: eager only, transformers refuses SDPA with its logit softcapping), full/frozen/LoRA (GPT-2's
+# Conv1D, Phi-3's fused projections, chosen targets), checkpointing, bf16 weights and fp32 with bf16 autocast,
+# micro-batches, AdamW/Adam/SGD/momentum in single-tensor (CPU's default), foreach and fused implementations.
+SWEEP = [
+    _case("gpt2", attn_implementation="eager", method="lora", dtype="bfloat16", gradient_checkpointing=True),
+    _case("gpt2", method="frozen", freeze=FROZEN["gpt2"], optimizer="sgd"),
+    _case("llama-3.2-1b", method="lora", dtype="bfloat16", lora_rank=4, lora_targets=("q_proj", "v_proj")),
+    _case(
+        "llama-3.1-8b",
+        attn_implementation="eager",
+        method="frozen",
+        freeze=LAYER0,
+        autocast="bfloat16",
+        optimizer="adam",
+        foreach=True,
+    ),
+    _case("mistral-7b-v0.3", dtype="bfloat16", method="frozen", freeze=("model.layers.",), gradient_checkpointing=True),
+    _case("qwen2.5-0.5b", gradient_checkpointing=True, fused=True),
+    _case("qwen2.5-7b", attn_implementation="eager", batch_size=2, micro_batches=2),
+    # Qwen2 (biased q/k/v projections) under bf16 autocast: the dry run frees some storages in another order than
+    # the real run (same sizes, swapped), found while trimming this sweep; kept here so its fix shows
+    pytest.param(
+        "qwen2.5-0.5b",
+        {"autocast": "bfloat16"},
+        id="qwen2.5-0.5b:autocast=bfloat16",
+        marks=pytest.mark.xfail(strict=True, reason="free order differs from the real run under autocast"),
+    ),
+    _case("gemma-2-2b", attn_implementation="eager", gradient_checkpointing=True, optimizer="momentum", foreach=True),
+    _case("phi-3-mini-4k", method="lora", dtype="bfloat16", batch_size=2, micro_batches=2),
+    # mixture of experts: transformers' default grouped_mm, whose shapes do not depend on the routing
+    _case("mixtral-8x7b", dtype="bfloat16", attn_implementation="eager", gradient_checkpointing=True),
+    _case("mixtral-8x7b", dtype="bfloat16", method="lora", lora_targets=("q_proj", "v_proj")),
+    _case("mixtral-8x7b", experts_implementation="batched_mm", seq_len=8),
+]
 
 
 @pytest.mark.parametrize("name, fields", SWEEP)
@@ -178,9 +180,7 @@ def test_mixture_of_experts_routing_is_refused_where_it_makes_shapes():
     assert real.peak().bytes > 0
 
 
-PROFILED = [
-    _case("llama-3.2-1b"),
-    _case("gpt2", attn_implementation="eager", gradient_checkpointing=True),
+PROFILED = [  # a dense model with LoRA and eager attention, and the mixture of experts
     _case("gemma-2-2b", attn_implementation="eager", method="lora", dtype="bfloat16"),
     _case("mixtral-8x7b", dtype="bfloat16", optimizer="adamw", foreach=True),
 ]

@@ -161,7 +161,8 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
     # micro-batches), then the attention core recomputed, then every block; then numerics, the global batch, the
     # optimizer, in that order of how much they change training
     names = [f.name for f in fixes]
-    assert all(f.fits for f in fixes) and EFFECTS == ("time only", "numerics", "global batch", "optimizer")
+    assert all(f.fits for f in fixes)
+    assert EFFECTS == ("time only", "numerics", "global batch", "optimizer", "trained parameters")  # LoRA: hf_fixes
     assert set(names[:2]) == {"checkpoint=selective", "fused optimizer"}
     assert names[2:] == [
         "micro-batch 2 x 2 (accumulate)",

@@ -47,7 +47,6 @@ STRATEGIES = {
     "fsdp2_zero2": "FSDP2, reshard_after_forward=False (ZeRO-2-like)",
     "fsdp2_zero3": "FSDP2, reshard_after_forward=True (ZeRO-3-like)",
 }
-ZERO_STAGE = {"ddp": 0, "ddp_bucket_view": 0, "zero1": 1, "fsdp2_zero2": 2, "fsdp2_zero3": 3}
 FAULTS = ("raise", "exit", "kill", "hang")  # for testing the runner: what the faulty rank does
 LR, WEIGHT_DECAY = 1e-3, 0.1  # make_optimizer's AdamW
 

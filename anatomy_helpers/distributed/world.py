@@ -6,7 +6,7 @@ hung, every process killed on the way out, and ranks that end themselves if this
 rank's :class:`~anatomy_helpers.distributed.ranks.RankResult`; :func:`worker_main` is the rank's side. :func:`rank_rows`
 and
 :func:`format_rank_table` set each rank's measured model states beside the ZeRO paper's formulas
-(:func:`zero_model_states`). Bytes unless a name says otherwise.
+(:func:`~anatomy_helpers.prediction.formulas.zero_model_states`). Bytes unless a name says otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import traceback
 from dataclasses import dataclass
 
 from ..checks import positive_number
-from .ranks import ZERO_STAGE, RankJob, RankResult
+from ..prediction.formulas import zero_model_states
+from .ranks import RankJob, RankResult
 
 # ---- starting the ranks ---------------------------------------------------------------------------------------
 
@@ -324,21 +325,6 @@ def _note(tmp: str, rank: str, kind: str, text: str) -> None:
 
 
 # ---- formulas and tables --------------------------------------------------------------------------------------
-
-
-def zero_model_states(
-    strategy: str, n_params: int, world_size: int, *, param_bytes: int = 4, grad_bytes: int = 4, state_bytes: int = 8
-) -> dict[str, float]:
-    """Model states per rank by the ZeRO paper's stages (bytes): DP holds everything; ZeRO-1 divides the optimizer
-    state by N, ZeRO-2 also the gradients, ZeRO-3 also the parameters. The paper's 16 bytes per parameter are
-    mixed-precision Adam (2 + 2 + 12); the defaults here are the course's own split for fp32 AdamW (4 + 4 + 8)."""
-    stage = ZERO_STAGE[strategy]
-    n = world_size
-    return {
-        "parameters": n_params * param_bytes / (n if stage >= 3 else 1),
-        "gradients": n_params * grad_bytes / (n if stage >= 2 else 1),
-        "optimizer_state": n_params * state_bytes / (n if stage >= 1 else 1),
-    }
 
 
 @dataclass(frozen=True)

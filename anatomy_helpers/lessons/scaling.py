@@ -13,8 +13,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..distributed.ranks import STRATEGIES, Collective, RankJob, RankResult
-from ..distributed.world import format_rank_table, rank_rows, run_world, zero_model_states
+from ..distributed.world import format_rank_table, rank_rows, run_world
 from ..plots import CourseFigure, legend_of_all, phase_legend_entries, plot_timeline
+from ..prediction.formulas import zero_model_states
 from ..tables import Col, format_table
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker

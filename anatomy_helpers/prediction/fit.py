@@ -133,7 +133,7 @@ class FitReport:
 
 
 def phase_needs(
-    trace: Trace, extra: dict[str, dict[str, int]] | None = None, rep=None, series=None
+    trace: Trace, extra: dict[str, dict[str, int]] | None = None, rep=None, series=None, series_in_rep: bool = False
 ) -> tuple[PhaseNeed, ...]:
     """Step 1's and step 2's phases of a dry run: tensor peaks, and the simulated allocator's reserved bytes at them.
 
@@ -141,7 +141,8 @@ def phase_needs(
     alive beyond a plain step of one micro-batch, see :func:`cheapest_fix`). ``rep``: the uncapped
     :func:`~anatomy_helpers.prediction.allocator.replay` of the trace's record, if already made. ``series``: CUDA rules'
     corrections per sample and category (:func:`~anatomy_helpers.prediction.cuda_rules.correction_series`); the peaks
-    are then those of the corrected timeline, and the reserved bytes get the correction at that moment added.
+    are then those of the corrected timeline, and the reserved bytes get the correction at that moment added, unless
+    ``series_in_rep`` (``rep`` already replays the corrected record).
     """
     rep = replay(trace.allocation_record()) if rep is None else rep
     n0 = len(trace.baseline_ids)  # the record's first rows are the storages alive at the start
@@ -152,7 +153,7 @@ def phase_needs(
         if series is not None:
             tensors, index, breakdown = corrected_peak(trace, series, step, phase)
         reserved = int(rep.reserved[n0 + index]) if len(rep.reserved) else 0
-        if series is not None:
+        if series is not None and not series_in_rep:
             reserved += int(series[index].sum())
         add = (extra or {}).get(phase, {})
         for category, nbytes in add.items():
@@ -188,6 +189,17 @@ MAX_LAYERS = 1024
 MAX_OVER_DEVICE = 1024
 
 
+def usable_device(device: str | int | Device) -> Device:
+    """:func:`~anatomy_helpers.prediction.devices.get_device`, refused (ValueError) if the CUDA context leaves
+    nothing."""
+    dev = get_device(device)
+    if dev.usable <= 0:
+        raise ValueError(
+            f"device {dev.name} has no memory left once the {dev.context_note()} takes {size_text(dev.context)}"
+        )
+    return dev
+
+
 @dataclass(frozen=True)
 class FitRequest:
     """One training configuration asked about: what :func:`will_it_fit` and
@@ -218,11 +230,7 @@ class FitRequest:
         from .formulas import param_count
 
         cfg, batch_size = self.cfg, self.batch_size
-        dev = get_device(self.device)
-        if dev.usable <= 0:
-            raise ValueError(
-                f"device {dev.name} has no memory left once the {dev.context_note()} takes {size_text(dev.context)}"
-            )
+        dev = usable_device(self.device)
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         positive_int("batch_size", batch_size)
@@ -305,6 +313,20 @@ def gradient_bytes(cfg: ModelConfig) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+def allocator_failure(record, rep, limit: int) -> tuple[int, str] | None:
+    """Where the caching-allocator simulator capped at ``limit`` bytes runs out replaying ``record`` (its
+    (step, phase); (0, "idle") when nothing is left for the step), or None if it passes. ``rep``: the uncapped
+    replay of the same record."""
+    if limit <= 0:
+        return (0, "idle")
+    if len(rep.reserved) and rep.reserved.max() <= limit:
+        # The uncapped replay never reserves more than the cap, so the capped one never flushes its cache: the
+        # same replay, which passes. (Replaying it again would give the same answer, at a cost.)
+        return None
+    capped = replay_with_limit(record, limit)
+    return None if capped.passed else (capped.step, capped.phase)
+
+
 def fit_run(runs: DryRuns, request: FitRequest, dev: Device, note: str = "") -> FitReport:
     """The :class:`FitReport` of ``request`` on ``dev`` (its checked device), from ``runs``.
 
@@ -329,15 +351,7 @@ def fit_run(runs: DryRuns, request: FitRequest, dev: Device, note: str = "") -> 
         series = correction_series(trace, corrections)
         sdpa = sdpa_backend(cfg, autocast, dev.capability) if cfg.attn_impl == "sdpa" else None
         limit -= max(0, int(series.sum(axis=1).max()))  # the replay has no CUDA-only storages: keep them out
-    if limit <= 0:
-        failure = (0, "idle")
-    elif len(rep.reserved) and rep.reserved.max() <= limit:
-        # The uncapped replay never reserves more than the cap, so the capped one never flushes its cache: the
-        # same replay, which passes. (Replaying it again would give the same answer, at a cost.)
-        failure = None
-    else:
-        capped = replay_with_limit(trace.allocation_record(), limit)
-        failure = None if capped.passed else (capped.step, capped.phase)
+    failure = allocator_failure(trace.allocation_record(), rep, limit)
     needs = phase_needs(trace, extra, rep, series)
     return FitReport(
         label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note(),

@@ -52,8 +52,9 @@ def config_step_flops(cfg: ModelConfig, batch_size: int, autocast: str | None = 
 
 
 #: What a fix changes, in the order the ranking prefers them: only the time a step takes (the same maths), the
-#: numerics (16-bit matmuls), the global batch (fewer sequences per optimizer step), or the optimizer.
-EFFECTS = ("time only", "numerics", "global batch", "optimizer")
+#: numerics (16-bit matmuls), the global batch (fewer sequences per optimizer step), the optimizer, or which
+#: parameters train (a Hugging Face fine-tune made LoRA: hf_fixes.py).
+EFFECTS = ("time only", "numerics", "global batch", "optimizer", "trained parameters")
 
 
 @dataclass(frozen=True)

@@ -105,3 +105,25 @@ def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> int:
     """``s*b*h*(34 + 5*a*s/h)``: activation bytes of one layer (16-bit, 1-byte masks), exactly."""
     return 34 * s * b * h + 5 * a * s * s * b
+
+
+# ---- model states per rank: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+# Models", section 5 (the stages), as lesson 08 measures them on torch.distributed's DDP, ZeroRedundancyOptimizer, FSDP2
+
+#: Lesson 08's strategies (distributed/ranks.py STRATEGIES) and the ZeRO stage each one is.
+ZERO_STAGE = {"ddp": 0, "ddp_bucket_view": 0, "zero1": 1, "fsdp2_zero2": 2, "fsdp2_zero3": 3}
+
+
+def zero_model_states(
+    strategy: str, n_params: int, world_size: int, *, param_bytes: int = 4, grad_bytes: int = 4, state_bytes: int = 8
+) -> dict[str, float]:
+    """Model states per rank by the ZeRO paper's stages (bytes): DP holds everything; ZeRO-1 divides the optimizer
+    state by N, ZeRO-2 also the gradients, ZeRO-3 also the parameters. The paper's 16 bytes per parameter are
+    mixed-precision Adam (2 + 2 + 12); the defaults here are the course's own split for fp32 AdamW (4 + 4 + 8)."""
+    stage = ZERO_STAGE[strategy]
+    n = world_size
+    return {
+        "parameters": n_params * param_bytes / (n if stage >= 3 else 1),
+        "gradients": n_params * grad_bytes / (n if stage >= 2 else 1),
+        "optimizer_state": n_params * state_bytes / (n if stage >= 1 else 1),
+    }

@@ -1,0 +1,147 @@
+"""``python -m anatomy_helpers predict --hf MODEL ...``: will a Hugging Face fine-tune fit on a GPU
+(:func:`anatomy_helpers.prediction.hf_fit.will_it_fit_hf`), per rank under DDP or ZeRO at a chosen world size.
+
+MODEL is a shipped configuration's name (prediction/hf.py SHIPPED) or a local config.json (or its folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .cli_common import fixes_answer, positive_gib_arg, positive_int_arg, report_answer
+
+
+def build_hf_predict_parser() -> argparse.ArgumentParser:
+    from .prediction.devices import DEVICES
+    from .prediction.fit import IMPLEMENTATION_FLAGS
+    from .prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED
+    from .prediction.hf_fit import ZERO_STRATEGIES
+    from .prediction.hf_step import OPTIMIZERS
+    from .step import AUTOCAST_CHOICES
+
+    p = argparse.ArgumentParser(
+        prog="python -m anatomy_helpers predict --hf",
+        description="Dry-run two fine-tuning steps of a Hugging Face causal LM (fake tensors: nothing is allocated, "
+        "no weights are read) and say whether they fit on a GPU, and if not, which phase of which step runs out "
+        "first. Under --world-size N the answer is per rank, its model states by the ZeRO formulas.",
+    )
+    p.add_argument(
+        "--hf", required=True, metavar="MODEL", help=f"a config.json (or its folder), or one of {', '.join(SHIPPED)}"
+    )
+    p.add_argument("--seq-len", type=positive_int_arg, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--batch-size", type=positive_int_arg, default=1, help="sequences per step and rank (default: 1)")
+    p.add_argument(
+        "--micro-batches", type=positive_int_arg, default=1, help="gradient accumulation: micro-batches per step, "
+        "dividing --batch-size (default: 1)"
+    )  # fmt: skip
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default: bfloat16)")
+    autocasts = tuple(c for c in AUTOCAST_CHOICES if c is not None)
+    p.add_argument("--autocast", choices=autocasts, default=None, help="mixed precision (default: off)")
+    p.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="attention (default: sdpa)")
+    experts = ("grouped_mm", "batched_mm", "eager")
+    p.add_argument(
+        "--experts", choices=experts, help="mixture of experts: transformers' implementation (default: grouped_mm)"
+    )
+    p.add_argument("--gradient-checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
+    p.add_argument("--impl", choices=tuple(IMPLEMENTATION_FLAGS), default="foreach", help="(default: foreach)")
+    p.add_argument("--lora-rank", type=positive_int_arg, default=None, help="train LoRA adapters of this rank (peft)")
+    p.add_argument("--lora-alpha", type=positive_int_arg, default=None, help="with --lora-rank (default: 2 x rank)")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                   help="with --lora-rank: peft's target modules (default: all-linear)")  # fmt: skip
+    p.add_argument("--freeze", nargs="+", metavar="PREFIX", help="freeze parameters named with these prefixes")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", type=str.lower, choices=tuple(DEVICES), default="a100-80", help="(default: a100-80)")
+    gpu.add_argument("--gpu-gib", type=positive_gib_arg, default=None, help="a device of this many GiB instead")
+    p.add_argument("--world-size", type=positive_int_arg, default=1, help="data-parallel ranks (default: 1)")
+    p.add_argument("--zero", type=int, choices=tuple(ZERO_STRATEGIES), default=None,
+                   help="ZeRO stage with --world-size > 1 (default: 0, DDP)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.add_argument("--fix", action="store_true", help="also dry-run and rank candidate fixes (a dry run each)")
+    return p
+
+
+def _fine_tune(args):
+    """The FineTune the options describe; ValueError naming the option for a bad combination."""
+    from .prediction.fit import IMPLEMENTATION_FLAGS
+    from .prediction.hf_step import FineTune
+
+    lora = args.lora_rank is not None
+    if args.freeze and lora:
+        raise ValueError("--freeze and --lora-rank: choose one (LoRA already freezes the whole base model)")
+    for option, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets)):
+        if value is not None and not lora:
+            raise ValueError(f"{option} needs --lora-rank")
+    if args.batch_size % args.micro_batches:
+        raise ValueError(
+            f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches ({args.micro_batches})"
+        )
+    if args.zero is not None and args.world_size == 1:
+        raise ValueError(f"--zero {args.zero} shards across ranks: it needs --world-size > 1")
+    foreach, fused = IMPLEMENTATION_FLAGS[args.impl]
+    method = "lora" if lora else "frozen" if args.freeze else "full"
+    extra = {}
+    if lora:
+        extra = dict(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank)
+        if args.lora_targets:
+            extra["lora_targets"] = tuple(args.lora_targets)
+    return FineTune(
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        micro_batches=args.micro_batches,
+        dtype=args.dtype,
+        autocast=args.autocast,
+        attn_implementation=args.attn,
+        gradient_checkpointing=args.gradient_checkpointing,
+        optimizer=args.optimizer,
+        foreach=foreach,
+        fused=fused,
+        method=method,
+        freeze=tuple(args.freeze or ()),
+        experts_implementation=args.experts,
+        **extra,
+    )
+
+
+def hf_predict_main(argv: list[str]) -> int:
+    import json
+
+    from .prediction.devices import DEVICES, gib_device
+    from .prediction.dryrun import DryRunError
+    from .prediction.fit import usable_device
+    from .prediction.fixes import fixes_table
+    from .prediction.hf import hf_config
+    from .prediction.hf_fit import will_it_fit_hf
+    from .prediction.hf_fixes import cheapest_fix_hf
+
+    parser = build_hf_predict_parser()
+    args = parser.parse_args(argv)
+    try:  # every value is checked here, before the dry run
+        ft = _fine_tune(args)
+        device = usable_device(DEVICES[args.gpu] if args.gpu_gib is None else gib_device(args.gpu_gib))
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        hf_config(args.hf)
+    except (ValueError, ImportError) as e:
+        parser.error(f"--hf {args.hf}: {e}")
+    try:
+        report = will_it_fit_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero)
+    except DryRunError as e:  # the step is refused by the dry run, not the options
+        parser.exit(1, f"dry run refused: {e}\n")
+    except (ValueError, ImportError) as e:  # e.g. a --freeze prefix or a LoRA target the model does not have
+        parser.error(str(e))
+    fixes = cheapest_fix_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero) if args.fix else []
+    if args.json:
+        answer = report_answer(report, device) | {
+            "world_size": args.world_size,
+            "zero": args.zero,
+            "note": report.note,
+            "fixes": fixes_answer(fixes),
+        }
+        print(json.dumps(answer, indent=2))
+    else:
+        print(report.table())
+        if fixes:
+            print(fixes_table(fixes))
+    return 0

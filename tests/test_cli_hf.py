@@ -1,0 +1,86 @@
+"""``predict --hf``: a Hugging Face fine-tune's will-it-fit from the command line (cli_hf.py)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from anatomy_helpers.cli import main  # noqa: E402
+from anatomy_helpers.prediction.hf import tiny_config  # noqa: E402
+from anatomy_helpers.prediction.hf_fit import will_it_fit_hf  # noqa: E402
+from anatomy_helpers.prediction.hf_step import FineTune  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_json(tmp_path_factory):
+    """A tiny Llama's config.json: the CLI reads it as it reads a downloaded one."""
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    tiny_config("llama-3.2-1b").to_json_file(path)
+    return path
+
+
+def test_predict_hf_answers_with_the_will_it_fit_reports_numbers(tiny_json, capsys):
+    args = ["predict", "--hf", str(tiny_json), "--seq-len", "16", "--batch-size", "2", "--lora-rank", "4"]
+    more = ["--lora-targets", "q_proj", "v_proj", "--gradient-checkpointing", "--gpu", "h100"]
+    assert main([*args, *more, "--world-size", "4", "--zero", "3", "--json", "--fix"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    ft = FineTune(
+        batch_size=2, seq_len=16, dtype="bfloat16", method="lora", lora_rank=4, lora_alpha=8,
+        lora_targets=("q_proj", "v_proj"), gradient_checkpointing=True, foreach=True,
+    )  # fmt: skip
+    report = will_it_fit_hf(str(tiny_json), ft, "h100", world_size=4, zero=3)
+    assert answer["phases"] == [
+        dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved) for p in report.phases
+    ]
+    assert answer["peak_breakdown_bytes"] == report.peak.breakdown and answer["fits"] and answer["zero"] == 3
+    assert "LoRA r=4" in answer["config"] and "under fsdp2_zero3" in answer["note"]
+    assert answer["rules"].startswith("CPU kernels") and answer["device"] == "H100 80GB HBM3"
+    # already LoRA, checkpointed, bf16 and at ZeRO-3: what is left to try is accumulation and the fused AdamW
+    assert {f["change"] for f in answer["fixes"]} == {"micro-batch 1 x 2", "fused optimizer"}
+
+
+def test_predict_hf_on_a_full_size_shipped_model(capsys):
+    """GPT-2 (124M parameters) at its full size: a dry run of about 4 s of one core."""
+    assert main(["predict", "--hf", "gpt2", "--seq-len", "64", "--optimizer", "sgd", "--impl", "single"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2, full, b=1 s=64, bfloat16" in out and "FITS" in out and "on A100 80GB" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--hf", "llama-4"], "--hf llama-4: "),
+        (["--hf", "gpt2", "--lora-rank", "8", "--freeze", "transformer.h.0."], "--freeze and --lora-rank"),
+        (["--hf", "gpt2", "--lora-alpha", "16"], "--lora-alpha needs --lora-rank"),
+        (["--hf", "gpt2", "--lora-targets", "c_attn"], "--lora-targets needs --lora-rank"),
+        (["--hf", "gpt2", "--batch-size", "3", "--micro-batches", "2"], "--batch-size (3) must be a multiple of"),
+        (["--hf", "gpt2", "--zero", "3"], "--zero 3 shards across ranks: it needs --world-size > 1"),
+        (["--hf", "gpt2", "--world-size", "8", "--zero", "4"], "--zero: invalid choice"),
+        (["--hf", "gpt2", "--world-size", "0"], "--world-size: must be a positive integer"),
+        (["--hf", "gpt2", "--gpu", "a100-90"], "--gpu: invalid choice"),
+        (["--hf", "gpt2", "--gpu-gib", "0.5"], "no memory left once the CUDA context"),
+        (["--hf", "gpt2", "--lora-rank", "0"], "--lora-rank: must be a positive integer"),
+        (["--hf", "gpt2", "--attn", "flash"], "--attn: invalid choice"),
+        (["--hf", "gpt2", "--experts", "eager"], "experts_implementation is for mixture-of-experts models"),
+        (["--hf", "gpt2", "--freeze", "decoder."], "no parameter name starts with 'decoder.'"),
+        (["--hf", "gpt2", "--lora-rank", "4", "--lora-targets", "q_proj"], "LoRA target modules"),
+    ],
+)
+def test_predict_hf_bad_options_exit_2_naming_them(args, message, capsys, monkeypatch):
+    import anatomy_helpers.prediction.hf_fit as hf_fit
+
+    monkeypatch.setattr(hf_fit, "replay", lambda *a, **k: pytest.fail("replayed a refused request"))
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--seq-len", "16", *args])
+    printed = capsys.readouterr()
+    assert e.value.code == 2 and message in printed.err and printed.out == ""
+
+
+def test_predict_hf_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["predict", "--hf", "gpt2", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--lora-rank", "--freeze", "--gradient-checkpointing", "--world-size", "--zero", "--json", "--fix"):
+        assert flag in out
