@@ -81,16 +81,23 @@ def make_record(rows) -> AllocationRecord:
     )
 
 
-# The slow delivery tests (marker "delivery") first, the longest first: with pytest-xdist they then run beside the
-# unit tests and notebooks from the start instead of as a tail at the end of the suite.
-_DELIVERY_ORDER = ["test_browser.py", "test_colab_path.py", "test_wheelhouse.py", "test_binder_path.py"]
+# The slow tests first, the longest first (a file's tests stay together): with pytest-xdist they then run beside the
+# unit tests and notebooks from the start instead of as a tail at the end of the suite. scripts/test.sh passes
+# --no-loadscope-reorder, or xdist would put the files with the most tests (the notebooks' cells) first instead.
+_SLOW_FIRST = ["test_colab_path.py", "test_wheelhouse.py", "test_binder_path.py", "test_browser.py", "test_hf.py"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     def key(item):
-        if item.get_closest_marker("delivery") is None:
-            return len(_DELIVERY_ORDER)
         name = item.path.name
-        return _DELIVERY_ORDER.index(name) if name in _DELIVERY_ORDER else len(_DELIVERY_ORDER) - 1
+        if name in _SLOW_FIRST:
+            return _SLOW_FIRST.index(name)
+        return len(_SLOW_FIRST) - 0.5 if item.get_closest_marker("delivery") else len(_SLOW_FIRST)
 
     items.sort(key=key)  # stable: everything else keeps its order
+    # `--dist loadgroup` (scripts/test.sh): a file's tests (a notebook's cells) stay on one worker, as with loadfile,
+    # unless a test names a group of its own (the browser test: one per notebook, so both workers share them).
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))  # loadfile's scope
