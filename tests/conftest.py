@@ -87,7 +87,26 @@ def make_record(rows) -> AllocationRecord:
 _SLOW_FIRST = ["test_colab_path.py", "test_wheelhouse.py", "test_binder_path.py", "test_browser.py", "test_hf.py"]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks added here
+# Under `--dist loadfile` a file's tests stay on one worker (a notebook's cells, a module fixture's users), except in
+# these files, whose tests are independent of each other and long (the browser test, one per notebook): each is a
+# scope of its own, so the two workers share them. (xdist's `loadgroup` would do this with marks, but with pytest 9 its
+# workers cannot rename the tests it groups by, so every unmarked test became a group of one.)
+_ONE_SCOPE_PER_TEST = {"tests/test_browser.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if file in _ONE_SCOPE_PER_TEST else file
+
+    return FileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     def key(item):
         name = item.path.name
@@ -96,8 +115,3 @@ def pytest_collection_modifyitems(config, items):
         return len(_SLOW_FIRST) - 0.5 if item.get_closest_marker("delivery") else len(_SLOW_FIRST)
 
     items.sort(key=key)  # stable: everything else keeps its order
-    # `--dist loadgroup` (scripts/test.sh): a file's tests (a notebook's cells) stay on one worker, as with loadfile,
-    # unless a test names a group of its own (the browser test: one per notebook, so both workers share them).
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))  # loadfile's scope

@@ -6,7 +6,7 @@ The work is scripts/browser_check.py's. Debian's chromium (apt-get) and PyPI's p
 where neither can be had the tests are skipped with the reason printed, never passed. Screenshots of each panel
 before and after the move are kept in test-artifacts/browser/ (COURSE_ARTIFACTS overrides the folder).
 
-One test per notebook, each in an xdist group of its own (scripts/test.sh runs `--dist loadgroup`), so the two
+One test per notebook, each a scheduling scope of its own under `--dist loadfile` (tests/conftest.py), so the two
 workers share the notebooks between them; each worker opens one JupyterLab and one Chromium for all of its share
 (the session fixture below), not one per notebook.
 """
@@ -46,9 +46,7 @@ def browser():
         yield b
 
 
-@pytest.mark.parametrize(
-    "notebook", [pytest.param(p, id=p.stem, marks=pytest.mark.xdist_group(f"browser-{p.stem}")) for p in CHOSEN]
-)
+@pytest.mark.parametrize("notebook", CHOSEN, ids=[p.stem for p in CHOSEN])
 def test_panels_rerun_in_jupyterlab_in_chromium(browser, notebook):
     start = time.monotonic()
     r = browser.check(notebook)
