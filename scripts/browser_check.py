@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -398,44 +398,68 @@ def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str
     return what, state, f"moving {what} did not change what the panel draws (the same data each time)"
 
 
-def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[NotebookResult]:
-    """Run :func:`drive` on each notebook (copies of them), in one JupyterLab and one headless Chromium."""
-    from playwright.sync_api import sync_playwright
+class Browser:
+    """One JupyterLab (on copies of ``notebooks``) and one headless Chromium, opened once for several notebooks:
+    :meth:`check` drives one notebook in a fresh page. The browser test opens one per pytest worker, each checking
+    its share of the notebooks; ``with Browser(...) as b:`` starts both and stops both."""
 
-    shutil.rmtree(shots, ignore_errors=True)
-    shots.mkdir(parents=True)
-    results = []
-    with tempfile.TemporaryDirectory(prefix="course-browser-") as tmp:
-        work = Path(tmp)
-        root_dir = work / "notebooks"
-        root_dir.mkdir()
-        for nb in notebooks:
-            shutil.copy(nb, root_dir / nb.name)
-        with jupyterlab(root_dir, work) as (base, token), sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
+    def __init__(self, notebooks: list[Path], chromium: str, shots: Path, log=print):
+        self.notebooks, self.chromium, self.shots, self.log = list(notebooks), chromium, shots, log
+
+    def __enter__(self) -> Browser:
+        from playwright.sync_api import sync_playwright
+
+        self.shots.mkdir(parents=True, exist_ok=True)
+        self._stack = ExitStack()
+        try:
+            work = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="course-browser-")))
+            root_dir = work / "notebooks"
+            root_dir.mkdir()
+            for nb in self.notebooks:
+                shutil.copy(nb, root_dir / nb.name)
+            self.base, self.token = self._stack.enter_context(jupyterlab(root_dir, work))
+            p = self._stack.enter_context(sync_playwright())
+            self.browser = p.chromium.launch(executable_path=self.chromium, headless=True, args=[
                 "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
                 "--disable-component-update"])  # fmt: skip
-            for nb in notebooks:
-                page = browser.new_page(viewport=VIEWPORT)
-                try:
-                    result = drive(page, base, token, nb.name, shots)
-                except Exception as e:  # report, don't hide: which step failed is in the message
-                    result = NotebookResult(nb.name, problem=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-                    page.screenshot(path=str(shots / f"{nb.stem}_failed.png"))
-                finally:
-                    page.close()
-                    stop_kernels(base, token)  # free the CPU for the next notebook
-                log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({result.seconds:.0f} s): {len(result.moves)} "
-                    f"controls re-measured; plot changed: {result.image_changed}"
-                    + (f"; FAILED: {result.failures}" if result.failures else "")
-                    + (f"; CUT OFF in {VIEWPORT['width']}x{VIEWPORT['height']}: {result.cut_off}" if result.cut_off
-                       else f"; nothing cut off in {VIEWPORT['width']}x{VIEWPORT['height']}")
-                    + "".join(f"\n    {s}" for s in dict.fromkeys(result.sizes))
-                    + (f"; errors: {result.errors}" if result.errors else "")
-                    + (f"; {result.problem}" if result.problem else ""))  # fmt: skip
-                results.append(result)
-            browser.close()
-    return results
+            self._stack.callback(self.browser.close)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def check(self, nb: Path) -> NotebookResult:
+        """Run :func:`drive` on ``nb`` (one of this session's notebooks) in a fresh page; log PASS/FAIL and why."""
+        for old in self.shots.glob(f"{nb.stem}_*.png"):  # this notebook's screenshots from an earlier run
+            old.unlink()
+        page = self.browser.new_page(viewport=VIEWPORT)
+        try:
+            result = drive(page, self.base, self.token, nb.name, self.shots)
+        except Exception as e:  # report, don't hide: which step failed is in the message
+            result = NotebookResult(nb.name, problem=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            page.screenshot(path=str(self.shots / f"{nb.stem}_failed.png"))
+        finally:
+            page.close()
+            stop_kernels(self.base, self.token)  # free the CPU for the next notebook
+        self.log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({result.seconds:.0f} s): {len(result.moves)} "
+                 f"controls re-measured; plot changed: {result.image_changed}"
+                 + (f"; FAILED: {result.failures}" if result.failures else "")
+                 + (f"; CUT OFF in {VIEWPORT['width']}x{VIEWPORT['height']}: {result.cut_off}" if result.cut_off
+                    else f"; nothing cut off in {VIEWPORT['width']}x{VIEWPORT['height']}")
+                 + "".join(f"\n    {s}" for s in dict.fromkeys(result.sizes))
+                 + (f"; errors: {result.errors}" if result.errors else "")
+                 + (f"; {result.problem}" if result.problem else ""))  # fmt: skip
+        return result
+
+
+def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[NotebookResult]:
+    """Run :func:`drive` on each notebook (copies of them), in one JupyterLab and one headless Chromium."""
+    shutil.rmtree(shots, ignore_errors=True)
+    with Browser(notebooks, chromium, shots, log) as browser:
+        return [browser.check(nb) for nb in notebooks]
 
 
 def main() -> int:

@@ -274,10 +274,13 @@ def run_tests(env: Env, extra: list[str], quick: bool = False) -> int:
     )  # the xdist workers and the nbval kernels inherit it
     # nbval compares against the stored CPU outputs, so the suite runs on CPU even on a GPU machine;
     # scripts/gpu_check.py covers CUDA.
-    # Two workers on two cores (pytest-xdist; each file, so each notebook, stays on one worker): the delivery tests
-    # wait on pip, kernels and a browser much of the time. -rs prints every skip's reason; --durations the slowest.
+    # Two workers on two cores (pytest-xdist): the delivery tests wait on pip, kernels and a browser much of the time.
+    # loadfile: each file (so each notebook) stays on one worker, except the browser test's notebooks, one scope each
+    # (tests/conftest.py's scheduler), so the workers share them; no reorder: the slow files start first, in
+    # tests/conftest.py's order. -rs prints every skip's reason; --durations the slowest.
     workers = os.cpu_count() or 1
-    parallel = ["-n", str(min(workers, 4)), "--dist", "loadfile"] if workers > 1 and env_has(env, "xdist") else []
+    dist = ["--dist", "loadfile", "--no-loadscope-reorder"]
+    parallel = ["-n", str(min(workers, 4)), *dist] if workers > 1 and env_has(env, "xdist") else []
     steps = [
         [str(env.python), "-m", "ruff", "check", "."],
         [str(env.python), "-m", "pytest", "-q", "-rs", "--durations=12", *parallel, *pytest_targets(quick), *extra],

@@ -81,16 +81,37 @@ def make_record(rows) -> AllocationRecord:
     )
 
 
-# The slow delivery tests (marker "delivery") first, the longest first: with pytest-xdist they then run beside the
-# unit tests and notebooks from the start instead of as a tail at the end of the suite.
-_DELIVERY_ORDER = ["test_browser.py", "test_colab_path.py", "test_wheelhouse.py", "test_binder_path.py"]
+# The slow tests first, the longest first (a file's tests stay together): with pytest-xdist they then run beside the
+# unit tests and notebooks from the start instead of as a tail at the end of the suite. scripts/test.sh passes
+# --no-loadscope-reorder, or xdist would put the files with the most tests (the notebooks' cells) first instead.
+_SLOW_FIRST = ["test_colab_path.py", "test_wheelhouse.py", "test_binder_path.py", "test_browser.py", "test_hf.py"]
+
+
+# Under `--dist loadfile` a file's tests stay on one worker (a notebook's cells, a module fixture's users), except in
+# these files, whose tests are independent of each other and long (the browser test, one per notebook): each is a
+# scope of its own, so the two workers share them. (xdist's `loadgroup` would do this with marks, but with pytest 9 its
+# workers cannot rename the tests it groups by, so every unmarked test became a group of one.)
+_ONE_SCOPE_PER_TEST = {"tests/test_browser.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if file in _ONE_SCOPE_PER_TEST else file
+
+    return FileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     def key(item):
-        if item.get_closest_marker("delivery") is None:
-            return len(_DELIVERY_ORDER)
         name = item.path.name
-        return _DELIVERY_ORDER.index(name) if name in _DELIVERY_ORDER else len(_DELIVERY_ORDER) - 1
+        if name in _SLOW_FIRST:
+            return _SLOW_FIRST.index(name)
+        return len(_SLOW_FIRST) - 0.5 if item.get_closest_marker("delivery") else len(_SLOW_FIRST)
 
     items.sort(key=key)  # stable: everything else keeps its order

@@ -90,6 +90,7 @@ def test_first_cells_install_the_course_like_colab_and_the_notebooks_run_outside
         PYDEVD_DISABLE_FILE_VALIDATION="1",
         OMP_NUM_THREADS="1",
         CUDA_VISIBLE_DEVICES="",
+        PIP_COMPILE="false",  # the first cell's pip (and its build environment) skips byte-compiling: time only
         GIT_CONFIG_COUNT="1",  # the first cell's `git+https://github.com/<slug>@main` fetches the local copy instead
         GIT_CONFIG_KEY_0=f"url.{remote.as_uri()}.insteadOf",
         GIT_CONFIG_VALUE_0=f"https://github.com/{SLUG}",

@@ -1,5 +1,6 @@
 """The package as a Colab user gets it: installed non-editably, imported from outside the repository."""
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -54,8 +55,9 @@ def test_non_editable_install_ships_every_module(tmp_path):
         "assert resources.files('anatomy_helpers.prediction').joinpath('hf_configs', 'llama-3.1-8b.json').is_file()\n"
         "print(a.__file__); print(len(names)); print(' '.join(sorted(names)))\n"
     )
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not the checkout a developer put on the path
     out = subprocess.run(
-        [python, "-c", script], cwd=tmp_path, check=True, capture_output=True, text=True
+        [python, "-c", script], cwd=tmp_path, env=clean, check=True, capture_output=True, text=True
     ).stdout.splitlines()
     assert out[0].startswith(str(target)), out[0]  # the installed copy, not the checkout
     source = sorted(
