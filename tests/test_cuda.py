@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from anatomy_helpers import cuda
 from anatomy_helpers.cuda import (
     CudaStats,
     SimVsReal,
@@ -20,7 +21,6 @@ from anatomy_helpers.cuda import (
 )
 from anatomy_helpers.lessons.first_step import plot_allocator
 from anatomy_helpers.prediction.allocator import replay
-from anatomy_helpers.tracking import cuda
 from anatomy_helpers.tracking.events import CudaMark, PhaseMark, Timeline
 from anatomy_helpers.tracking.trace import Trace
 

@@ -25,6 +25,9 @@ from .conftest import SMALL
 CHILD = textwrap.dedent(
     r"""
     import os, random, signal, sys, threading, time
+    # Python's own Ctrl-C handler, as in a terminal or a notebook (a shell that starts a job in the background
+    # hands it SIGINT ignored, and the tracker then leaves that choice alone)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
     from torch._C._autograd import _profiler_enabled
     from anatomy_helpers import make_model, make_optimizer, track_steps
@@ -89,6 +92,24 @@ def test_ctrl_c_at_random_moments_leaves_nothing_behind(what, trials):
     out = _run_child(what, trials)
     interrupted = int(out.split()[1])
     assert interrupted >= trials // 3, out  # most signals landed inside a run (the rest just after it)
+
+
+@pytest.fixture(autouse=True)
+def pythons_own_sigint_handler():
+    """Python's default Ctrl-C handler for each test, whatever this process inherited (a shell that starts the
+    suite in the background hands it SIGINT ignored, which DeferredInterrupt rightly leaves alone)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_sigint_ignored_by_the_host_stays_ignored():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    deferred = DeferredInterrupt()
+    deferred.start()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    deferred.stop()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and not deferred.pending
 
 
 def test_deferred_interrupt_raises_at_check_and_restores_the_handler():
