@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from matplotlib.backend_bases import FigureCanvasBase
 
-from .cli_common import fixes_answer, positive_gib_arg, positive_int_arg, report_answer, seed_arg
+from .cli_common import add_fit_options, device_of, fixes_answer, positive_int_arg, report_answer, seed_arg
 from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
 from .plots import plot_timeline
 from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
@@ -71,9 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_predict_parser() -> argparse.ArgumentParser:
     from .checkpointing import CHECKPOINT_POLICIES
-    from .prediction.devices import DEVICES
-    from .prediction.fit import IMPLEMENTATION_FLAGS, MAX_LAYERS
-    from .step import AUTOCAST_CHOICES
+    from .prediction.fit import MAX_LAYERS
 
     d = ModelConfig()
     p = argparse.ArgumentParser(
@@ -93,23 +91,12 @@ def build_predict_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
     p.add_argument("--vocab", type=positive_int_arg, default=d.vocab_size, help=f"vocabulary (default: {d.vocab_size})")
-    p.add_argument(
-        "--micro-batches", type=positive_int_arg, default=1, help="gradient accumulation: micro-batches per step, "
-        "dividing --batch-size (default: 1)"
-    )  # fmt: skip
-    p.add_argument("--impl", choices=tuple(IMPLEMENTATION_FLAGS), default="foreach", help="(default: foreach)")
-    autocasts = tuple(c for c in AUTOCAST_CHOICES if c is not None)
-    p.add_argument("--autocast", choices=autocasts, default=None, help="mixed precision (default: off)")
     p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default="none", help="(default: none)")
     p.add_argument(
         "--checkpoint-every", type=positive_int_arg, default=None, help="with --checkpoint every_k: blocks per "
         "checkpointed segment (default: 1)"
     )  # fmt: skip
-    gpu = p.add_mutually_exclusive_group()
-    gpu.add_argument("--gpu", type=str.lower, choices=tuple(DEVICES), default="t4", help="the device (default: t4)")
-    gpu.add_argument("--gpu-gib", type=positive_gib_arg, default=None, help="a device of this many GiB instead")
-    p.add_argument("--json", action="store_true", help="print the answer as JSON")
-    p.add_argument("--fix", action="store_true", help="also dry-run and rank the candidate fixes")
+    add_fit_options(p, gpu_default="t4")
     return p
 
 
@@ -138,7 +125,6 @@ def _predict_config(args) -> ModelConfig:
 def predict_main(argv: list[str]) -> int:
     import json
 
-    from .prediction.devices import DEVICES, gib_device
     from .prediction.fit import FitRequest, will_it_fit
     from .prediction.fixes import cheapest_fix, fixes_table
 
@@ -150,7 +136,7 @@ def predict_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:  # every value is checked here, before any dry run
         cfg = _predict_config(args)
-        device = DEVICES[args.gpu] if args.gpu_gib is None else gib_device(args.gpu_gib)
+        device = device_of(args)
         kw = dict(optimizer=args.optimizer, implementation=args.impl, autocast=args.autocast, device=device)
         FitRequest(cfg, args.batch_size, micro_batches=args.micro_batches, **kw).check()
     except ValueError as e:

@@ -1,5 +1,6 @@
 """What both prediction commands share (``cli.py`` for the course GPT, ``cli_hf.py`` for Hugging Face models):
-argparse types that check through checks.py, and the JSON form of a fit report and its fixes (bytes)."""
+argparse types that check through checks.py, the options of a fit question (micro-batches, optimizer
+implementation, autocast, the GPU, --json, --fix), and the JSON form of a fit report and its fixes (bytes)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,37 @@ def fixes_answer(fixes) -> list[dict]:
         )
         for f in fixes
     ]
+
+
+def add_fit_options(p: argparse.ArgumentParser, *, gpu_default: str) -> None:
+    """The options both ``predict`` commands take: gradient accumulation, the optimizer's implementation, autocast,
+    the device (a named GPU or a size in GiB), ``--json`` and ``--fix``."""
+    from .prediction.devices import DEVICES
+    from .prediction.fit import IMPLEMENTATION_FLAGS
+    from .step import AUTOCAST_CHOICES
+
+    p.add_argument(
+        "--micro-batches", type=positive_int_arg, default=1, help="gradient accumulation: micro-batches per step, "
+        "dividing --batch-size (default: 1)"
+    )  # fmt: skip
+    p.add_argument("--impl", choices=tuple(IMPLEMENTATION_FLAGS), default="foreach", help="(default: foreach)")
+    autocasts = tuple(c for c in AUTOCAST_CHOICES if c is not None)
+    p.add_argument("--autocast", choices=autocasts, default=None, help="mixed precision (default: off)")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument(
+        "--gpu",
+        type=str.lower,
+        choices=tuple(DEVICES),
+        default=gpu_default,
+        help=f"the device (default: {gpu_default})",
+    )
+    gpu.add_argument("--gpu-gib", type=positive_gib_arg, default=None, help="a device of this many GiB instead")
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.add_argument("--fix", action="store_true", help="also dry-run and rank the candidate fixes (a dry run each)")
+
+
+def device_of(args):
+    """The Device ``--gpu`` or ``--gpu-gib`` names."""
+    from .prediction.devices import DEVICES, gib_device
+
+    return DEVICES[args.gpu] if args.gpu_gib is None else gib_device(args.gpu_gib)

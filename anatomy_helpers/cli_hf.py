@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_common import fixes_answer, positive_gib_arg, positive_int_arg, report_answer
+from .cli_common import add_fit_options, device_of, fixes_answer, positive_int_arg, report_answer
 
 
 def build_hf_predict_parser() -> argparse.ArgumentParser:
-    from .prediction.devices import DEVICES
-    from .prediction.fit import IMPLEMENTATION_FLAGS
     from .prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED
     from .prediction.hf_fit import ZERO_STRATEGIES
     from .prediction.hf_step import OPTIMIZERS
-    from .step import AUTOCAST_CHOICES
 
     p = argparse.ArgumentParser(
         prog="python -m anatomy_helpers predict --hf",
@@ -30,13 +27,7 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seq-len", type=positive_int_arg, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--batch-size", type=positive_int_arg, default=1, help="sequences per step and rank (default: 1)")
-    p.add_argument(
-        "--micro-batches", type=positive_int_arg, default=1, help="gradient accumulation: micro-batches per step, "
-        "dividing --batch-size (default: 1)"
-    )  # fmt: skip
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default: bfloat16)")
-    autocasts = tuple(c for c in AUTOCAST_CHOICES if c is not None)
-    p.add_argument("--autocast", choices=autocasts, default=None, help="mixed precision (default: off)")
     p.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="attention (default: sdpa)")
     experts = ("grouped_mm", "batched_mm", "eager")
     p.add_argument(
@@ -44,20 +35,15 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gradient-checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
-    p.add_argument("--impl", choices=tuple(IMPLEMENTATION_FLAGS), default="foreach", help="(default: foreach)")
     p.add_argument("--lora-rank", type=positive_int_arg, default=None, help="train LoRA adapters of this rank (peft)")
     p.add_argument("--lora-alpha", type=positive_int_arg, default=None, help="with --lora-rank (default: 2 x rank)")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
                    help="with --lora-rank: peft's target modules (default: all-linear)")  # fmt: skip
     p.add_argument("--freeze", nargs="+", metavar="PREFIX", help="freeze parameters named with these prefixes")
-    gpu = p.add_mutually_exclusive_group()
-    gpu.add_argument("--gpu", type=str.lower, choices=tuple(DEVICES), default="a100-80", help="(default: a100-80)")
-    gpu.add_argument("--gpu-gib", type=positive_gib_arg, default=None, help="a device of this many GiB instead")
     p.add_argument("--world-size", type=positive_int_arg, default=1, help="data-parallel ranks (default: 1)")
     p.add_argument("--zero", type=int, choices=tuple(ZERO_STRATEGIES), default=None,
                    help="ZeRO stage with --world-size > 1 (default: 0, DDP)")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the answer as JSON")
-    p.add_argument("--fix", action="store_true", help="also dry-run and rank candidate fixes (a dry run each)")
+    add_fit_options(p, gpu_default="a100-80")
     return p
 
 
@@ -106,7 +92,6 @@ def _fine_tune(args):
 def hf_predict_main(argv: list[str]) -> int:
     import json
 
-    from .prediction.devices import DEVICES, gib_device
     from .prediction.dryrun import DryRunError
     from .prediction.fit import usable_device
     from .prediction.fixes import fixes_table
@@ -118,7 +103,7 @@ def hf_predict_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:  # every value is checked here, before the dry run
         ft = _fine_tune(args)
-        device = usable_device(DEVICES[args.gpu] if args.gpu_gib is None else gib_device(args.gpu_gib))
+        device = usable_device(device_of(args))
     except ValueError as e:
         parser.error(str(e))
     try:
