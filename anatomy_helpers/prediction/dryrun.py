@@ -332,12 +332,15 @@ def dry_run_config(
     batch_size: int = 8,
     steps: int = 2,
     autocast: str | None = None,
+    in_backward: bool = False,
+    set_to_none: bool = True,
     **config,
 ) -> Trace:
     """Dry-run ``track_steps`` on the course GPT: ``cfg`` (or ModelConfig fields as keywords), on CPU.
 
     The same loop as ``track_steps(make_model(**config), make_optimizer(model, optimizer, foreach=..,
-    fused=..), steps, batch_size, autocast=...)``, with the same batches' allocations (:func:`course_batch`).
+    fused=.., in_backward=..), steps, batch_size, autocast=..., set_to_none=...)``, with the same batches'
+    allocations (:func:`course_batch`).
     Byte for byte the real trace with ``kernel_scratch=False``; any size (nothing is allocated). The ops of a
     large configuration are checked against the real kernels on a small twin (:func:`_small_twin`, once per
     session for each set of code paths), see :func:`dry_run`.
@@ -347,16 +350,17 @@ def dry_run_config(
     cfg = cfg if cfg is not None else ModelConfig(**config)
     positive_int("batch_size", batch_size)
     _check_steps(steps, autocast)
+    one_of("set_to_none", set_to_none, (True, False))
 
     def run(cfg: ModelConfig, batch_size: int):
         return _run_fake(
             lambda: GPT(cfg),
             lambda step: course_batch(batch_size, cfg.seq_len),
             gpt_loss,
-            lambda model: make_optimizer(model, optimizer, foreach=foreach, fused=fused),
+            lambda model: make_optimizer(model, optimizer, foreach=foreach, fused=fused, in_backward=in_backward),
             steps,
             autocast,
-            True,
+            set_to_none,
             "cpu",
         )
 

@@ -1,0 +1,199 @@
+"""Lesson 10's levers, each through the one training step (step.run_step): the optimizer step fused into backward,
+the chunked cross-entropy, bf16 optimizer state, zero_grad to zeros. Expected bytes come from tensor sizes."""
+
+import pytest
+import torch
+
+from anatomy_helpers import get_batch, make_model, make_optimizer, track_steps
+from anatomy_helpers.model import GPT, ModelConfig, chunked_cross_entropy
+from anatomy_helpers.step import OptimizerInBackward, StepPlan, run_step, step_flops
+from anatomy_helpers.tensors import state_bytes_by_key
+
+from .conftest import SMALL
+
+
+def grad_bytes(model) -> int:
+    """Bytes of every gradient the model's parameters get: one per parameter tensor, its size and dtype."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def trained(steps: int = 2, optimizer: str = "adamw", model_kw=None, **step):
+    model = make_model(device="cpu", **{**SMALL, **(model_kw or {})})
+    opt = make_optimizer(model, optimizer, in_backward=step.pop("in_backward", False))
+    trace = track_steps(model, opt, steps, 4, **step)
+    return model, opt, trace
+
+
+# ---- the optimizer step fused into backward -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "momentum"])
+def test_in_backward_trains_the_same_parameters_as_the_plain_step(optimizer):
+    plain, _, _ = trained(3, optimizer)
+    fused, _, _ = trained(3, optimizer, in_backward=True)
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_in_backward_never_holds_every_gradient_at_once():
+    plain_model, _, plain = trained(2)
+    model, opt, fused = trained(2, in_backward=True)
+    every = grad_bytes(model)
+    # the plain step: every gradient alive when the optimizer starts
+    assert plain.at(plain.phase(2, "optimizer").start - 1)["gradients"] == every
+    most = int(fused.timeline.category("gradients").max())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())  # the tied embedding's
+    assert largest <= most < every
+    assert fused.at(len(fused.timeline) - 1)["gradients"] == 0  # each freed once stepped
+    assert all(p.grad is None for p in model.parameters())
+    # the state is the same as the plain optimizer's, counted as optimizer state
+    assert fused.at(len(fused.timeline) - 1)["optimizer_state"] == plain.at(len(plain.timeline) - 1)["optimizer_state"]
+    assert fused.peak(phase="optimizer").bytes > 0  # the tracker sees optimizer phases, inside backward
+    assert fused.peak().bytes < plain.peak().bytes
+
+
+def test_in_backward_leaves_no_hook_behind_even_when_backward_fails():
+    model = make_model(device="cpu", **SMALL)
+    opt = make_optimizer(model, "sgd", in_backward=True)
+
+    def failing_loss(model, batch):
+        loss = model(*batch)[1]
+        return loss.register_hook(lambda g: 1 / 0) and loss  # a hook on the loss fails inside backward
+
+    with pytest.raises(ZeroDivisionError):
+        run_step(model, opt, StepPlan(batch_size=2, loss=failing_loss), 0)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "plan, what",
+    [
+        (dict(clip_grad_norm=1.0), "clip_grad_norm: clipping by the norm over all parameters"),
+        (dict(micro_batches=2), "micro_batches: accumulating"),
+        (dict(world_size=2), "world_size: data parallelism"),
+        (dict(optimizer_step=False), "optimizer_step"),
+    ],
+)
+def test_in_backward_refuses_what_it_cannot_do_before_running(plan, what):
+    model = make_model(device="cpu", **SMALL)
+    opt = make_optimizer(model, "adamw", in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=what):
+        run_step(model, opt, StepPlan(batch_size=4, **plan), 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing ran
+
+
+def test_in_backward_cannot_be_stepped_by_hand():
+    model = make_model(device="cpu", **SMALL)
+    opt = make_optimizer(model, "adamw", in_backward=True)
+    with pytest.raises(ValueError, match="inside loss.backward"):
+        opt.step()
+    with pytest.raises(ValueError, match="at least one parameter"):
+        OptimizerInBackward([torch.zeros(2)], lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def test_clip_grad_norm_clips_over_all_parameters_like_torch():
+    model = make_model(device="cpu", **SMALL)
+    ref = make_model(device="cpu", **SMALL)
+    opt, ref_opt = make_optimizer(model, "sgd"), make_optimizer(ref, "sgd")
+    run_step(model, opt, StepPlan(batch_size=4, clip_grad_norm=0.01), 0)
+    x, y = get_batch(4, SMALL["seq_len"], step=0)
+    ref(x, y)[1].backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert norm > 0.01  # the clip bites
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        StepPlan(clip_grad_norm=0)
+
+
+# ---- the chunked cross-entropy ------------------------------------------------------------------------------
+
+
+def test_chunked_cross_entropy_gives_the_plain_loss_and_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(3, 10, 16, requires_grad=True)
+    w = torch.randn(70, 16, requires_grad=True)
+    t = torch.randint(0, 70, (3, 10))
+    plain = torch.nn.functional.cross_entropy((x @ w.T).view(30, 70), t.view(30))
+    gx, gw = torch.autograd.grad(plain, (x, w))
+    for chunk in (1, 7, 30, 64):  # one token, uneven chunks, exactly all, more than all
+        loss = chunked_cross_entropy(x, w, t, chunk)
+        torch.testing.assert_close(loss, plain)
+        cx, cw = torch.autograd.grad(loss, (x, w))
+        torch.testing.assert_close(cx, gx)
+        torch.testing.assert_close(cw, gw)
+
+
+def test_loss_chunk_trains_the_same_parameters_and_never_holds_the_logits():
+    big = dict(vocab_size=2048, seq_len=64)
+    plain_model, _, plain = trained(2, "sgd", big)
+    model, _, chunked = trained(2, "sgd", {**big, "loss_chunk": 32})
+    for a, b in zip(plain_model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b)
+    tokens, vocab = 4 * big["seq_len"], big["vocab_size"]
+    # plain: the (B*T, V) fp32 logits are one allocation; chunked: none larger than one chunk's logits (32, V) or
+    # the head weight's gradient (V, C), which each chunk's backward makes before it is summed
+    assert plain.largest_allocation("temporaries") == tokens * vocab * 4
+    biggest = max(chunked.largest_allocation(c) for c in ("temporaries", "recomputed", "activations"))
+    assert biggest == max(32 * vocab * 4, vocab * SMALL["d_model"] * 4)
+    assert chunked.largest_allocation("recomputed") == 32 * vocab * 4  # backward remakes one chunk's logits
+    assert chunked.peak().bytes < plain.peak().bytes - (tokens - 32) * vocab * 4
+
+
+def test_loss_chunk_costs_one_more_head_matmul_in_flops():
+    cfg = dict(SMALL, vocab_size=512)
+    x, y = get_batch(2, SMALL["seq_len"], step=0)
+    plain = step_flops(make_model(device="cpu", **cfg), x, y)
+    chunked = step_flops(make_model(device="cpu", **cfg, loss_chunk=16), x, y)
+    tokens = 2 * SMALL["seq_len"]
+    assert chunked - plain == 2 * tokens * SMALL["d_model"] * cfg["vocab_size"]  # the head's forward, recomputed
+
+
+def test_loss_chunk_is_checked_and_keeps_logits_without_targets():
+    with pytest.raises(ValueError, match="loss_chunk"):
+        ModelConfig(loss_chunk=0)
+    model = GPT(ModelConfig(**SMALL, loss_chunk=8))
+    x, y = get_batch(2, SMALL["seq_len"], step=0)
+    assert model(x, y)[0] is None  # trained: no logits are made
+    assert model(x)[0].shape == (2, SMALL["seq_len"], model.cfg.vocab_size)  # generation still gets them
+
+
+# ---- optimizer state: bf16, momentum vs Adam, zero_grad -----------------------------------------------------
+
+
+def test_optimizer_state_bytes_per_parameter_from_tensor_sizes():
+    per_param = {}
+    for name in ("momentum", "adamw", "adamw_bf16"):
+        model, opt, _ = trained(1, name)
+        n = sum(p.numel() for p in model.parameters())
+        state = state_bytes_by_key(opt)
+        per_param[name] = sum(v for k, v in state.items() if k != "step") / n
+    assert per_param == {"momentum": 4.0, "adamw": 8.0, "adamw_bf16": 4.0}
+
+
+def test_bf16_state_trains_like_fp32_adamw_within_a_band():
+    def losses(name):
+        model = make_model(device="cpu", **SMALL)
+        opt = make_optimizer(model, name)  # lr 1e-3
+        return [run_step(model, opt, StepPlan(batch_size=8), i) for i in range(30)]
+
+    fp32, bf16 = losses("adamw"), losses("adamw_bf16")
+    assert bf16[-1] < 0.85 * bf16[0]  # it trains
+    assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) < 0.01  # within 1% of fp32 AdamW at every step
+    assert fp32 != bf16  # and it is not the same optimizer
+
+
+def test_bf16_state_refuses_other_implementations():
+    model = make_model(device="cpu", **SMALL)
+    with pytest.raises(ValueError, match="foreach"):
+        make_optimizer(model, "adamw_bf16", foreach=True)
+
+
+def test_zero_grad_to_zeros_keeps_every_gradient_between_steps():
+    model, _, kept = trained(2, "sgd", set_to_none=False)
+    _, _, freed = trained(2, "sgd")
+    end = len(kept.timeline) - 1
+    assert kept.at(end)["gradients"] == grad_bytes(model)
+    assert freed.at(len(freed.timeline) - 1)["gradients"] == 0
