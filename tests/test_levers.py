@@ -6,8 +6,11 @@ import torch
 
 from anatomy_helpers import get_batch, make_model, make_optimizer, track_steps
 from anatomy_helpers.model import GPT, ModelConfig, chunked_cross_entropy
+from anatomy_helpers.prediction.fixes import EFFECTS
+from anatomy_helpers.prediction.levers import levers, verify_levers
 from anatomy_helpers.step import OptimizerInBackward, StepPlan, run_step, step_flops
 from anatomy_helpers.tensors import state_bytes_by_key
+from anatomy_helpers.tracking.tracker import StepTracker
 
 from .conftest import SMALL
 
@@ -197,3 +200,44 @@ def test_zero_grad_to_zeros_keeps_every_gradient_between_steps():
     end = len(kept.timeline) - 1
     assert kept.at(end)["gradients"] == grad_bytes(model)
     assert freed.at(len(freed.timeline) - 1)["gradients"] == 0
+
+
+# ---- the decision: dominant phase and category, the levers on it, verified and ranked ------------------------
+
+OPTIMIZER_BOUND = dict(n_layer=2, d_model=128, n_head=2, seq_len=8)  # many parameters, one short sequence
+LOGITS_BOUND = dict(n_layer=1, d_model=32, n_head=2, seq_len=64, vocab_size=4096)  # a large vocabulary
+
+
+def real_peak(cfg: dict, batch_size: int, optimizer: str = "adamw", **step) -> int:
+    model = make_model(device="cpu", **cfg)
+    opt_kw = {k: step.pop(k) for k in ("fused", "in_backward") if k in step}
+    opt = make_optimizer(model, step.pop("optimizer", optimizer), **opt_kw)
+    with StepTracker(model, opt, kernel_scratch=False) as tracker:
+        for i in range(2):
+            run_step(model, opt, StepPlan(batch_size=batch_size, **step), i)
+    return tracker.trace.peak().bytes
+
+
+@pytest.mark.parametrize("cfg, batch, phase, category", [
+    (OPTIMIZER_BOUND, 1, "optimizer", "optimizer_state"),
+    (LOGITS_BOUND, 4, "backward", "temporaries"),
+])  # fmt: skip
+def test_verify_levers_names_the_dominant_category_and_real_runs_confirm_each_lever(cfg, batch, phase, category):
+    trace, dominant_category, verified = verify_levers(ModelConfig(**cfg), batch)
+    assert (trace.peak().phase, dominant_category) == (phase, category)
+    assert verified and all(category in v.lever.acts_on for v in verified)
+    assert trace.peak().bytes == real_peak(cfg, batch)
+    for v in verified:  # each lever's dry run is what a real run of it measures
+        assert v.after.bytes == real_peak({**cfg, **v.lever.config}, batch, **v.lever.step), v.lever.name
+    lowering = [v for v in verified if v.saved > 0]
+    assert lowering, "some lever must lower the peak"
+    assert verified[: len(lowering)] == lowering  # what lowers the peak ranks first
+    keys = [(EFFECTS.index(v.lever.effect), round(v.extra_flops, 3)) for v in lowering]
+    assert keys == sorted(keys)  # then what changes least, then the fewest extra FLOPs
+
+
+def test_every_lever_is_listed_without_the_dominant_filter():
+    _, _, some = verify_levers(ModelConfig(**OPTIMIZER_BOUND), 1)
+    _, _, every = verify_levers(ModelConfig(**OPTIMIZER_BOUND), 1, only_dominant=False)
+    assert {v.lever.name for v in some} < {v.lever.name for v in every}
+    assert {v.lever.name for v in every} == {lv.name for lv in levers(ModelConfig(**OPTIMIZER_BOUND))}
