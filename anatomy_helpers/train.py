@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from .tracking.trace import Trace
 from .tracking.tracker import StepTracker
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the four lesson 03 compares
-OPTIMIZER_NAMES = (*OPTIMIZERS, "adamw_bf16")  # every name make_optimizer takes (lesson 10 adds bf16 state)
+OPTIMIZER_NAMES = (*OPTIMIZERS, "adamw_bf16", "adamw8bit")  # every name make_optimizer takes (lesson 10's too)
 
 
 class AdamWBF16State(torch.optim.Optimizer):
@@ -89,6 +90,29 @@ def pick_device(preferred: str | torch.device | None = None) -> torch.device:
     return device
 
 
+def adamw_8bit(params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """bitsandbytes' ``AdamW8bit`` (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"), the same
+    hyperparameters as ``adamw``: each moment stored as one uint8 per parameter plus a float32 scale per block of
+    256 (and a 256-entry float32 code book per moment); tensors under 4,096 elements keep float32 state
+    (bitsandbytes' ``min_8bit_size``). It runs on CPU (bitsandbytes' CPU backend, checked with 0.50.2) and on
+    CUDA. A dry run cannot follow it: it reads tensor values (each block's absolute maximum), and a dry run has none.
+
+    Needs the optional extra: ``pip install "anatomy_helpers[levers]"`` (or ``bitsandbytes``); ValueError if missing.
+    """
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")  # warns that an optional 4-bit matmul kernel (the
+    level = quiet.level  # `kernels` package) is missing; nothing here uses 4-bit matmuls
+    quiet.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError(
+            'optimizer "adamw8bit" needs bitsandbytes: pip install "anatomy_helpers[levers]" (or bitsandbytes)'
+        ) from None
+    finally:
+        quiet.setLevel(level)
+    return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=0.1)
+
+
 def make_optimizer(
     model: nn.Module,
     name: str = "adamw",
@@ -103,7 +127,8 @@ def make_optimizer(
     ``foreach=None`` keeps torch's default for the device: the single-tensor loop on
     CPU and the foreach (multi-tensor) implementation on CUDA. ``fused=True`` asks for
     the fused kernel (one kernel updates every parameter in place). ``adamw_bf16``:
-    :class:`AdamWBF16State` (the same hyperparameters as ``adamw``, its state in bf16).
+    :class:`AdamWBF16State` (the same hyperparameters as ``adamw``, its state in bf16); ``adamw8bit``:
+    bitsandbytes' 8-bit AdamW (:func:`adamw_8bit`, an optional dependency).
     ``in_backward=True``: the step fused into backward, one such optimizer per parameter
     (:class:`~anatomy_helpers.step.OptimizerInBackward`).
     """
@@ -113,8 +138,8 @@ def make_optimizer(
     one_of("in_backward", in_backward, (True, False))
     if name not in OPTIMIZER_NAMES:
         raise ValueError(f"optimizer must be one of {OPTIMIZER_NAMES}, got {name!r}")
-    if name == "adamw_bf16" and (foreach or fused):
-        raise ValueError("adamw_bf16 has one implementation (a loop over the parameters): no foreach, no fused")
+    if name in ("adamw_bf16", "adamw8bit") and (foreach or fused):
+        raise ValueError(f"{name} has one implementation: no foreach, no fused")
     if in_backward:
         return OptimizerInBackward(model.parameters(), lambda params: _optimizer(params, name, lr, foreach, fused))
     return _optimizer(model.parameters(), name, lr, foreach, fused)
@@ -124,6 +149,8 @@ def _optimizer(params, name: str, lr: float, foreach: bool | None, fused: bool |
     impl = {"foreach": foreach, "fused": fused}
     if name == "adamw_bf16":
         return AdamWBF16State(params, lr=lr, weight_decay=0.1)
+    if name == "adamw8bit":
+        return adamw_8bit(params, lr=lr)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, **impl)
     if name == "momentum":

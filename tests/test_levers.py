@@ -6,13 +6,14 @@ import torch
 
 from anatomy_helpers import get_batch, make_model, make_optimizer, track_steps
 from anatomy_helpers.model import GPT, ModelConfig, chunked_cross_entropy
+from anatomy_helpers.prediction.dryrun import DryRunError, dry_run_config
 from anatomy_helpers.prediction.fixes import EFFECTS
 from anatomy_helpers.prediction.levers import levers, verify_levers
 from anatomy_helpers.step import OptimizerInBackward, StepPlan, run_step, step_flops
 from anatomy_helpers.tensors import state_bytes_by_key
 from anatomy_helpers.tracking.tracker import StepTracker
 
-from .conftest import SMALL
+from .conftest import SMALL, storage_bytes
 
 
 def grad_bytes(model) -> int:
@@ -241,3 +242,39 @@ def test_every_lever_is_listed_without_the_dominant_filter():
     _, _, every = verify_levers(ModelConfig(**OPTIMIZER_BOUND), 1, only_dominant=False)
     assert {v.lever.name for v in some} < {v.lever.name for v in every}
     assert {v.lever.name for v in every} == {lv.name for lv in levers(ModelConfig(**OPTIMIZER_BOUND))}
+
+
+# ---- bitsandbytes' 8-bit AdamW (optional: the [levers] extra) --------------------------------------------------
+
+
+def eight_bit_state_bytes(model) -> int:
+    """bitsandbytes' AdamW8bit state from its documented layout: a tensor of 4,096 elements or more keeps each moment
+    as one uint8 per element plus a float32 absolute maximum per block of 256; a smaller one keeps float32 moments;
+    the two 256-entry float32 code books (qmap1, qmap2) are shared by all."""
+    total = 2 * 256 * 4
+    for p in model.parameters():
+        n = p.numel()
+        total += 2 * (n + -(-n // 256) * 4) if n >= 4096 else 2 * n * 4
+    return total
+
+
+def test_adamw8bit_state_is_what_its_layout_says_and_trains_like_fp32():
+    pytest.importorskip("bitsandbytes")
+    model, opt, trace = trained(2, "adamw8bit")
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert storage_bytes(state) == eight_bit_state_bytes(model)
+    assert trace.at(len(trace.timeline) - 1)["optimizer_state"] == eight_bit_state_bytes(model)
+
+    def losses(name):
+        model = make_model(device="cpu", **SMALL)
+        opt = make_optimizer(model, name)
+        return [run_step(model, opt, StepPlan(batch_size=8), i) for i in range(30)]
+
+    fp32, q8 = losses("adamw"), losses("adamw8bit")
+    assert q8[-1] < 0.85 * q8[0] and max(abs(a - b) / a for a, b in zip(fp32, q8)) < 0.01 and fp32 != q8
+
+
+def test_a_dry_run_of_adamw8bit_is_refused_it_reads_values():
+    pytest.importorskip("bitsandbytes")
+    with pytest.raises(DryRunError, match="reads tensor values"):
+        dry_run_config(ModelConfig(**SMALL), optimizer="adamw8bit", batch_size=2, steps=1)

@@ -244,8 +244,8 @@ class FitRequest:
         one_of("optimizer", self.optimizer, OPTIMIZER_NAMES)
         one_of("implementation", self.implementation, IMPLEMENTATION_FLAGS)
         one_of("in_backward", self.in_backward, (True, False))
-        if self.optimizer == "adamw_bf16" and self.implementation != "single":
-            raise ValueError("optimizer adamw_bf16 has one implementation: implementation='single'")
+        if self.optimizer in ("adamw_bf16", "adamw8bit") and self.implementation != "single":
+            raise ValueError(f"optimizer {self.optimizer} has one implementation: implementation='single'")
         if self.in_backward and self.micro_batches > 1:
             raise ValueError("in_backward cannot accumulate micro-batches: it steps at every backward")
         one_of("autocast", self.autocast, AUTOCAST_CHOICES)
