@@ -278,3 +278,26 @@ def test_a_dry_run_of_adamw8bit_is_refused_it_reads_values():
     pytest.importorskip("bitsandbytes")
     with pytest.raises(DryRunError, match="reads tensor values"):
         dry_run_config(ModelConfig(**SMALL), optimizer="adamw8bit", batch_size=2, steps=1)
+
+
+# ---- lesson 10's own helpers ----------------------------------------------------------------------------------
+
+
+def test_the_lesson_measures_each_lever_against_its_baseline():
+    from anatomy_helpers.lessons.optimizations import format_levers, lever_named, measure_levers
+
+    cfg = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, vocab_size=512)
+    rows, traces = measure_levers(cfg, 2, ["baseline", "bf16 optimizer state", "chunked loss", "zero_grad"])
+    base, bf16, chunked, kept = rows
+    assert list(traces) == [r.name for r in rows] and base.name == "baseline (AdamW)"
+    assert bf16.state_per_param == 4.0 and not base.changes_training and bf16.changes_training
+    tokens = 2 * cfg["seq_len"]
+    flops = step_flops(make_model(device="cpu", **cfg), *get_batch(2, cfg["seq_len"], step=0))
+    assert chunked.extra_flops == pytest.approx(2 * tokens * cfg["d_model"] * cfg["vocab_size"] / flops)
+    # (its peak is not lower here: this step is not logits-bound, the lever acts on a category that is not at the peak)
+    assert traces[chunked.name].largest_allocation("temporaries") < traces[base.name].largest_allocation("temporaries")
+    end = traces[kept.name].at(len(traces[kept.name].timeline) - 1)
+    assert end["gradients"] == grad_bytes(make_model(device="cpu", **cfg))  # zeroed, not freed
+    assert "bf16 optimizer state" in format_levers(rows) and "+0%" in format_levers(rows)
+    with pytest.raises(ValueError, match="no lever named"):
+        lever_named("lion", cfg)
