@@ -182,16 +182,36 @@ def loss_gap(cfg: dict, names: tuple[str, ...], steps: int = 30, batch_size: int
 
 
 def compile_memory(cfg: dict, batch_size: int, device=None) -> dict[str, int]:
-    """The peak of torch.profiler's memory timeline (bytes) over two profiled steps, eager and under
+    """The peak of torch.profiler's memory timeline (bytes) over two profiled training steps, eager and under
     ``torch.compile`` (inductor), the same model, batch and optimizer: the tracker cannot see inside a compiled graph
     (its dispatch mode makes Dynamo skip every frame), the profiler's allocator events can. Compiling takes minutes
     on a CPU; the notebook runs it only when asked."""
-    from .profiling import profile_steps
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..step import StepPlan, run_step
+    from ..tracking.profiler import load_memory_timeline, quiet_profiler
 
     peaks = {}
     for name in ("eager", "compiled"):
         model = make_model(device=device, **cfg)
         optimizer = make_optimizer(model, "adamw")
-        run = profile_steps(torch.compile(model) if name == "compiled" else model, optimizer, 2, batch_size)
-        peaks[name] = int(run.timeline.total.max())
+        runner = torch.compile(model) if name == "compiled" else model
+        plan = StepPlan(batch_size, read_loss=False)
+        run_step(runner, optimizer, plan, 0)  # compiled (or warmed up) outside the profile
+        on = next(model.parameters()).device
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on.type == "cuda" else [])
+        with (
+            quiet_profiler(),
+            profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof,
+        ):
+            for i in range(1, 3):
+                run_step(runner, optimizer, plan, i)
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            where = "cpu" if on.type == "cpu" else f"cuda:{on.index or 0}"
+            prof.export_memory_timeline(f"{tmp}/timeline.json", device=where)
+            peaks[name] = int(load_memory_timeline(f"{tmp}/timeline.json").total.max())
     return peaks
