@@ -246,6 +246,7 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
     mode = CheckedFakeTensorMode()  # notes the op calls to check
     model = build_fake_model(model_factory, mode, device)
     mode.calls.clear()  # making the fake model is the dry run's own doing, not the step's
+    optimizer = None
     try:
         with mode:
             optimizer = optimizer_factory(model)
@@ -263,8 +264,10 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
                 fake=True,
             )
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        named = f" ({type(optimizer).__name__})" if optimizer is not None else ""
+        who = f"{type(model).__name__} or its optimizer{named}"
         raise DryRunError(
-            f"{type(model).__name__} reads tensor values during the step ({e.func if hasattr(e, 'func') else e}): "
+            f"{who} reads tensor values during the step ({e.func if hasattr(e, 'func') else e}): "
             "a dry run has shapes but no values, so it cannot run code that branches on data or whose output "
             "shape depends on it (.item(), .tolist(), nonzero, boolean masks)"
         ) from e
