@@ -178,6 +178,8 @@ def describe(cfg: ModelConfig, batch_size: int, optimizer: str, implementation: 
     if cfg.checkpoint != "none":
         every = f" {cfg.checkpoint_every}" if cfg.checkpoint == "every_k" else ""
         parts.append(f"checkpoint {cfg.checkpoint}{every}")
+    if cfg.loss_chunk is not None:
+        parts.append(f"loss in chunks of {cfg.loss_chunk} tokens")
     return ", ".join(parts)
 
 
@@ -207,11 +209,12 @@ class FitRequest:
 
     cfg: ModelConfig = field(default_factory=ModelConfig)
     batch_size: int = 8  # the global batch, in sequences
-    optimizer: str = "adamw"  # one of train.OPTIMIZERS
+    optimizer: str = "adamw"  # one of train.OPTIMIZER_NAMES
     implementation: str = "foreach"  # the optimizer's: "single", "foreach" (torch's CUDA default), "fused"
     autocast: str | None = None  # None, "bfloat16" or "float16"
     device: str | int | Device = "t4"  # a short name, "this GPU", a total in bytes, or a Device
     micro_batches: int = 1  # gradient accumulation: batch_size // micro_batches sequences per forward
+    in_backward: bool = False  # the optimizer step fused into backward (step.OptimizerInBackward)
 
     def but(self, **changes) -> FitRequest:
         """The same request with ``changes`` (field name -> value)."""
@@ -221,12 +224,13 @@ class FitRequest:
         """What the request runs, in words (the device aside)."""
         b = self.batch_size // self.micro_batches
         text = describe(self.cfg, b, self.optimizer, self.implementation, self.autocast)
+        text += " stepped in backward" if self.in_backward else ""
         return text + (f" x {self.micro_batches} micro-batches" if self.micro_batches > 1 else "")
 
     def check(self) -> Device:
         """Check every field before any work; returns the Device. ValueError names the field and says why."""
         from ..step import AUTOCAST_CHOICES
-        from ..train import OPTIMIZERS
+        from ..train import OPTIMIZER_NAMES
         from .formulas import param_count
 
         cfg, batch_size = self.cfg, self.batch_size
@@ -237,8 +241,13 @@ class FitRequest:
         positive_int("micro_batches", self.micro_batches)
         if batch_size % self.micro_batches:
             raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({self.micro_batches})")
-        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("optimizer", self.optimizer, OPTIMIZER_NAMES)
         one_of("implementation", self.implementation, IMPLEMENTATION_FLAGS)
+        one_of("in_backward", self.in_backward, (True, False))
+        if self.optimizer in ("adamw_bf16", "adamw8bit") and self.implementation != "single":
+            raise ValueError(f"optimizer {self.optimizer} has one implementation: implementation='single'")
+        if self.in_backward and self.micro_batches > 1:
+            raise ValueError("in_backward cannot accumulate micro-batches: it steps at every backward")
         one_of("autocast", self.autocast, AUTOCAST_CHOICES)
         if cfg.n_layer > MAX_LAYERS:
             raise ValueError(
@@ -295,12 +304,26 @@ class DryRuns:
     def __init__(self):
         self._done: dict[tuple, tuple] = {}
 
-    def get(self, cfg: ModelConfig, batch_size: int, optimizer: str, implementation: str, autocast: str | None):
-        key = (astuple(cfg), batch_size, optimizer, implementation, autocast)
+    def get(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        optimizer: str,
+        implementation: str,
+        autocast: str | None,
+        in_backward: bool = False,
+    ):
+        key = (astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward)
         if key not in self._done:
             foreach, fused = IMPLEMENTATION_FLAGS[implementation]
             trace = dry_run_config(
-                cfg, optimizer=optimizer, foreach=foreach, fused=fused, batch_size=batch_size, autocast=autocast
+                cfg,
+                optimizer=optimizer,
+                foreach=foreach,
+                fused=fused,
+                batch_size=batch_size,
+                autocast=autocast,
+                in_backward=in_backward,
             )
             self._done[key] = trace, replay(trace.allocation_record())
         return self._done[key]
@@ -338,7 +361,7 @@ def fit_run(runs: DryRuns, request: FitRequest, dev: Device, note: str = "") -> 
     """
     cfg, autocast, micro_batches = request.cfg, request.autocast, request.micro_batches
     b = request.batch_size // micro_batches
-    trace, rep = runs.get(cfg, b, request.optimizer, request.implementation, autocast)
+    trace, rep = runs.get(cfg, b, request.optimizer, request.implementation, autocast, request.in_backward)
     grads = gradient_bytes(cfg) if micro_batches > 1 else 0
     inputs = 2 * 8 * cfg.seq_len * (request.batch_size - b)  # x and y (int64) of the rest of the global batch
     label = request.label()
