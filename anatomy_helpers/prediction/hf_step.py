@@ -126,7 +126,13 @@ def _lora(model: nn.Module, ft: FineTune) -> nn.Module:
         r=ft.lora_rank, lora_alpha=ft.lora_alpha, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=conv1d
     )
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # Mixture of experts (transformers 5.x fuses w1 and w3 into gate_up_proj): peft maps the targets onto
+            # the fused parameters itself and gives gate_up_proj twice the rank through rank_pattern/alpha_pattern,
+            # which it does apply (tests/test_hf.py checks the adapter's rank), then warns that the patterns
+            # matched no *module*. No other rank or alpha pattern is ever passed, so the warning is only that one.
+            warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as e:  # peft's own message names the targets it did not find
         raise ValueError(f"LoRA target modules {ft.lora_targets!r}: {e}") from None
 
