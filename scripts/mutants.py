@@ -293,6 +293,13 @@ MUTANTS = [
         ("tests/test_tracker_categories.py",),
     ),
     Mutant(
+        "recorder.held-frees-in-hash-order",
+        "tracking/recorder.py",
+        "            for alloc_id, cdata in sorted(held):",
+        "            for alloc_id, cdata in held:",
+        ("tests/test_recorder.py::test_frees_at_one_moment_are_recorded_oldest_allocation_first",),
+    ),
+    Mutant(
         "events.precedence-reversed",
         "tracking/events.py",
         "    return min(current, other, key=CATEGORY_PRECEDENCE.index)",

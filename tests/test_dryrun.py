@@ -103,17 +103,11 @@ def fake_trace(cfg: dict, steps: int) -> Trace:
     return dry_run_config(ModelConfig(**{**SMALL, **cfg}), batch_size=batch, steps=steps, **opt_kw)
 
 
-def assert_same_trace(dry: Trace, real: Trace, in_order: bool = True) -> None:
+def assert_same_trace(dry: Trace, real: Trace) -> None:
     """Every phase of every step (its peak, the peak's breakdown by category, what is left at its end), the
-    baseline, and every allocation and free. ``in_order=False``: the same allocations and frees in each phase,
-    in any order (autocast's weight-cast cache is freed at the end of the forward in hash-map order)."""
+    baseline, and every allocation and free, in order."""
     assert dry.phases() == real.phases()
     assert dry.baseline == real.baseline
-    if not in_order:
-        for ph in real.phases():
-            mine, theirs = (t.alloc_deltas[t.window(ph.step, ph.phase)] for t in (dry, real))
-            assert sorted(mine) == sorted(theirs)
-        return
     np.testing.assert_array_equal(dry.alloc_deltas, real.alloc_deltas)
     np.testing.assert_array_equal(dry.alloc_category[dry.alloc_ids], real.alloc_category[real.alloc_ids])
     for c in CATEGORIES:
@@ -144,7 +138,7 @@ def test_the_sweep_covers_every_choice_a_dry_run_must_follow():
 @pytest.mark.parametrize("cfg", SWEEP, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 def test_dry_run_equals_measured_byte_for_byte(cfg):
     steps = 2  # step 1 (optimizer state is born) and a later step
-    assert_same_trace(fake_trace(cfg, steps), real_trace(cfg, steps), in_order="autocast" not in cfg)
+    assert_same_trace(fake_trace(cfg, steps), real_trace(cfg, steps))
 
 
 def test_dry_run_says_kernel_scratch_is_unknown():

@@ -212,6 +212,16 @@ class StepTracker(Recorder):
             )  # what a checkpointing policy keeps outside autograd's saved tensors is an activation
             self._register_existing()
             self.close_baseline()
+            clear_cache = torch.clear_autocast_cache  # called by torch.autocast's __exit__ (amp/autocast_mode.py)
+
+            def clear_in_order():  # see Recorder.frees_in_allocation_order
+                with self.frees_in_allocation_order():
+                    clear_cache()
+
+            self._install(
+                lambda: setattr(torch, "clear_autocast_cache", clear_in_order),
+                lambda: setattr(torch, "clear_autocast_cache", clear_cache),
+            )
             self._install_hooks()
             mode = _TimedOpWatcher(self) if self.kernel_scratch else _OpWatcher(self)
             self._install(mode.__enter__, lambda: mode.__exit__(None, None, None))
