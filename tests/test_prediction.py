@@ -10,8 +10,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.lessons.prediction import DEVICE_LINE_RANGE, fit_panel, plot_fit
+from anatomy_helpers.lessons.prediction import fit_panel
 from anatomy_helpers.model import GPT, ModelConfig
+from anatomy_helpers.plots import DEVICE_LINE_RANGE, plot_fit
 from anatomy_helpers.prediction.allocator import min_limit_to_pass
 from anatomy_helpers.prediction.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, get_device, gib_device
 from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config
