@@ -349,6 +349,21 @@ MUTANTS = [
         '_HEAD_MODULES = ("ln_f", "lm_head")',
         ("tests/test_trace.py::test_model_part_names_the_parts_in_forward_order",),
     ),
+    # ---- a fake rank of an N-rank world (fake_world.py)
+    Mutant(
+        "fake_world.batch-half-the-context",
+        "distributed/fake_world.py",
+        "batch=lambda step: course_batch(job.batch_size, cfg.seq_len),",
+        "batch=lambda step: course_batch(job.batch_size, cfg.seq_len // 2),",
+        ("tests/test_fake_world.py::test_every_fake_rank_equals_its_real_gloo_rank_byte_for_byte",),
+    ),
+    Mutant(
+        "fake_world.fsdp-shards-unpadded",
+        "distributed/fake_world.py",
+        "    return max(0, min(chunk, dim0 - rank * chunk)), chunk",
+        "    return max(0, min(chunk, dim0 - rank * chunk)), max(0, min(chunk, dim0 - rank * chunk))",
+        ("tests/test_fake_world.py::test_dry_run_model_states_follow_the_rules_at_large_n",),
+    ),
 ]
 
 
