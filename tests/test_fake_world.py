@@ -8,18 +8,22 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from anatomy_helpers import make_model
 from anatomy_helpers.distributed import fake_world
 from anatomy_helpers.distributed.fake_world import (
     STEP_BYTES,
     dry_run_rank,
     fake_process_group,
+    format_world_table,
     fsdp_rows,
     model_states_rule,
     rank_differences,
+    world_rows,
     zero1_partition,
 )
 from anatomy_helpers.distributed.ranks import STRATEGIES, RankJob
 from anatomy_helpers.distributed.world import run_world
+from anatomy_helpers.model import ModelConfig
 from anatomy_helpers.prediction.formulas import zero_model_states
 from anatomy_helpers.tensors import storage_bytes
 
@@ -95,8 +99,6 @@ def test_zero1_partition_is_largest_first_onto_the_emptiest_rank():
 def test_the_zero_formulas_are_the_rules_without_padding_buffers_or_step_counts(strategy):
     """Summed over every rank, the sharded states hold every element once: the rules then equal N x the formula's
     share, plus the buffers, the step counts and the padding, each computed here from the model's tensors."""
-    from anatomy_helpers import make_model
-
     model = make_model(device="cpu", **SMALL)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
@@ -164,3 +166,25 @@ def test_storage_bytes_counts_fake_storages_apart():
     with FakeTensorMode():
         a, b = torch.empty(10), torch.empty(6)
         assert storage_bytes([a, b, a[2:]]) == 64
+
+
+def test_world_rows_give_each_asked_rank_with_its_formula_and_rules():
+    rows = world_rows(SMALL, ["zero1"], (2, 8), ranks=(0, -1))
+    assert [(r.world_size, r.rank) for r in rows] == [(2, 0), (2, 1), (8, 0), (8, 7)]
+    for r in rows:
+        assert r.model_states == r.rule_model_states
+        n_params = sum(p.numel() for p in make_model(device="cpu", **SMALL).parameters())
+        assert r.formula_model_states == sum(zero_model_states("zero1", n_params, r.world_size).values())
+    assert rows[3].optimizer_state < rows[1].optimizer_state  # more ranks, less state on each
+    table = format_world_table(rows)
+    assert table.count(" yes") == 4 and "KiB per rank" in table
+
+
+def test_the_step_ops_are_checked_and_the_collectives_left_out():
+    from anatomy_helpers.prediction import fake_check
+
+    run, calls = fake_world._fake_rank(job("ddp", 2), ModelConfig(**SMALL), 2, 0)
+    assert not any(str(call.func).startswith("c10d.") for call in calls.values())
+    assert run.result.collectives  # the all-reduce was issued all the same
+    dry_run_rank(job("ddp", 2), 2, 0)  # (calls holds only signatures this session has not checked yet)
+    assert any(isinstance(key, tuple) and str(key[0]) == "aten.addmm.default" for key in fake_check._PASSED)

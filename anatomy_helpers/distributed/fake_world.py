@@ -19,6 +19,7 @@ computed from the shapes alone. Bytes everywhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -101,22 +102,41 @@ def fake_process_group(world_size: int, rank: int = 0):
 def dry_run_rank(job: RankJob, world_size: int, rank: int = 0) -> FakeRun:
     """Dry-run rank ``rank`` of a ``world_size``-rank job: the RankResult a real rank of that world would send.
 
-    ``job.batch_size`` is the global batch (all ranks). Bad input (N that does not divide the batch, a rank outside
+    ``job.batch_size`` is the global batch (all ranks). Exact or refused, as every dry run of the course
+    (prediction/dryrun.py): each op signature of the step is checked once per session against the real kernel
+    (on a small twin of the model for a large one) and an op whose fake kernel differs raises DryRunError; the
+    collectives are not kernels (:data:`FAKE_RULES`). Bad input (N that does not divide the batch, a rank outside
     the world, a process group already up) raises ValueError before anything starts; the fake process group and
     the fake mode are gone when it returns or raises.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ..prediction.dryrun import _check_ops, _small_twin
 
     _check(job, world_size, rank)
     cfg = ModelConfig(**job.model)  # a bad config fails here
+    run, calls = _fake_rank(job, cfg, world_size, rank)
+
+    def twin_calls() -> dict:
+        twin = _small_twin(cfg)
+        small = dataclasses.replace(job, model=dataclasses.asdict(twin))
+        return _fake_rank(small, twin, world_size, rank)[1]
+
+    _check_ops(calls, f"rank {rank} of {world_size} ({job.strategy})", twin_calls)
+    return run
+
+
+def _fake_rank(job: RankJob, cfg: ModelConfig, world_size: int, rank: int) -> tuple[FakeRun, dict]:
+    """The dry run itself: (the FakeRun, the op calls to check, without the collectives)."""
+    from ..prediction.fake_check import CheckedFakeTensorMode
+
     start = time.perf_counter()
     # Ctrl-C inside FakeTensorMode's Python, called from torch's C++ dispatcher, aborts the process (see dryrun.py)
     interrupt = DeferredInterrupt()
     interrupt.start()
     try:
         with fake_process_group(world_size, rank):
-            mode = FakeTensorMode()
+            mode = CheckedFakeTensorMode()
             gpt = build_fake_model(lambda: GPT(cfg), mode)
+            mode.calls.clear()  # making the fake model is the dry run's own doing
             mesh = None
             if job.strategy.startswith("fsdp"):  # made outside the fake mode: it reads the ranks' values
                 from torch.distributed.device_mesh import init_device_mesh
@@ -134,7 +154,8 @@ def dry_run_rank(job: RankJob, world_size: int, rank: int = 0) -> FakeRun:
                 )
     finally:
         interrupt.stop()
-    return FakeRun(result, time.perf_counter() - start)
+    calls = {key: call for key, call in mode.calls.items() if call.func.namespace != "c10d"}
+    return FakeRun(result, time.perf_counter() - start), calls
 
 
 # ---- exact per-rank model states from the shapes alone: the rules lesson 08 found --------------------------------
@@ -245,3 +266,99 @@ def _collectives(result: RankResult) -> list[tuple[str, str, int]]:
     if bucketed:
         out.append(("backward", "allreduce_", sum(c.bytes for c in result.collectives if c.phase == "backward")))
     return out
+
+
+@dataclass(frozen=True)
+class WorldRow:
+    """One dry-run rank of an N-rank job: what it holds (bytes) beside the ZeRO formula and the exact rules."""
+
+    strategy: str
+    world_size: int
+    rank: int
+    parameters: int  # just before the optimizer step, as the rank tables of lesson 08
+    gradients: int
+    optimizer_state: int
+    activations: int  # the most activation bytes alive at any moment of the step
+    communication_peak: int  # the most bucket / all-gather / reduce-scatter bytes alive at once
+    peak: int
+    formula_model_states: float  # zero_model_states: even splits, no padding, no buffers, no step counts
+    rule_model_states: int  # model_states_rule, from the shapes alone
+    seconds: float  # how long the dry run of this rank took
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def world_rows(
+    model: dict, strategies=None, world_sizes=(8, 1024, 4096), *, rows_per_rank: int = 1, ranks=(0,)
+) -> list[WorldRow]:
+    """Dry-run ranks ``ranks`` (negative: from the end, -1 the last) of each strategy at each world size, one tracked
+    step after the warm-up, ``rows_per_rank`` rows of the course batches per rank. Returns their :class:`WorldRow`."""
+    from ..prediction.formulas import zero_model_states
+    from .ranks import STRATEGIES
+
+    out = []
+    for strategy in strategies or STRATEGIES:
+        for n in world_sizes:
+            for rank in sorted({r % n for r in ranks}):
+                run = dry_run_rank(RankJob(strategy, steps=1, batch_size=rows_per_rank * n, model=dict(model)), n, rank)
+                r, ms = run.result, run.result.model_states
+                out.append(
+                    WorldRow(
+                        strategy=strategy,
+                        world_size=n,
+                        rank=rank,
+                        parameters=ms["parameters"],
+                        gradients=ms["gradients"],
+                        optimizer_state=ms["optimizer_state"],
+                        activations=int(r.trace.timeline.category("activations").max()),
+                        communication_peak=int(r.trace.timeline.category("communication").max()),
+                        peak=r.peak.bytes,
+                        formula_model_states=sum(zero_model_states(strategy, r.n_params, n).values()),
+                        rule_model_states=sum(model_states_rule(model, strategy, n, rank).values()),
+                        seconds=run.seconds,
+                    )
+                )
+    return out
+
+
+def format_world_table(rows: list[WorldRow]) -> str:
+    """The per-rank table: what each dry-run rank holds (KiB below 2 GiB peaks, else GiB), its model states against
+    the formula and the rules."""
+    from ..tables import Col, format_table
+    from ..units import GiB, KiB
+
+    unit, scale = ("GiB", GiB) if max(r.peak for r in rows) >= 2 * GiB else ("KiB", KiB)
+    fmt = ",.2f" if unit == "GiB" else ",.0f"
+
+    cols = [
+        Col("strategy", 15, align="<"),
+        Col("N", 5, "d"),
+        Col("rank", 4, "d"),
+        Col("params", 8, fmt),
+        Col("grads", 8, fmt),
+        Col("opt state", 9, fmt),
+        Col("activations", 11, fmt),
+        Col("comm peak", 9, fmt),
+        Col("peak", 8, fmt),
+        Col("states/formula", 14, ".3f"),
+        Col("= rules", 7, align="<", gap="  "),
+    ]
+    out = [
+        [
+            r.strategy,
+            r.world_size,
+            r.rank,
+            r.parameters / scale,
+            r.gradients / scale,
+            r.optimizer_state / scale,
+            r.activations / scale,
+            r.communication_peak / scale,
+            r.peak / scale,
+            r.model_states / r.formula_model_states,
+            "yes" if r.model_states == r.rule_model_states else "NO",
+        ]
+        for r in rows
+    ]
+    return format_table(cols, out, note=f"({unit} per rank; one dry-run rank of an N-rank job)")
