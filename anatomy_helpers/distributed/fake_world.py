@@ -52,6 +52,10 @@ FAKE_RULES = {
     "kernel scratch": "Not measured by a real rank either (RankTracker(kernel_scratch=False)).",
 }
 
+#: Collectives, not kernels: c10d's in-place ops (DDP, FSDP2, ZeRO) and the functional ones DTensor issues (tensor
+#: parallelism). They need a real process group to run, so the dry run's kernel check leaves them out.
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
 #: A fake rank's world can be larger than any machine, not unbounded (FSDP2 builds per-rank tables of size N).
 MAX_WORLD_SIZE = 65_536
 
@@ -80,6 +84,10 @@ def _check(job: RankJob, world_size: int, rank: int, *, fake: bool = True) -> No
         return
     if job.fault is not None or job.straggler_s:
         raise ValueError("a fake rank runs no faults and no stragglers (those are for real ranks' timing)")
+    _check_free()
+
+
+def _check_free() -> None:
     if dist.is_initialized():
         raise ValueError(
             "a process group is already initialised in this process: a fake rank needs its own (run it outside "
@@ -154,7 +162,7 @@ def _fake_rank(job: RankJob, cfg: ModelConfig, world_size: int, rank: int) -> tu
                 )
     finally:
         interrupt.stop()
-    calls = {key: call for key, call in mode.calls.items() if call.func.namespace != "c10d"}
+    calls = {key: call for key, call in mode.calls.items() if call.func.namespace not in COLLECTIVE_NAMESPACES}
     return FakeRun(result, time.perf_counter() - start), calls
 
 

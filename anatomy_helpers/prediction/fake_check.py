@@ -170,6 +170,8 @@ class CheckedFakeTensorMode(FakeTensorMode):
             return super().__torch_dispatch__(func, types, args, kwargs)
         margs, mkwargs = _metas(args, kwargs)  # before the call, as the key
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented:  # a tensor subclass's op (DTensor): it runs its local ops, noted one by one
+            return out
         flat_out = tree_flatten(out)[0]
         tensors_out = [t for t in flat_out if isinstance(t, torch.Tensor)]
         if not flat_in and not tensors_out:  # no tensor in or out (the profiler's record_function ops)
