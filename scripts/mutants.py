@@ -364,6 +364,13 @@ MUTANTS = [
         "    return max(0, min(chunk, dim0 - rank * chunk)), max(0, min(chunk, dim0 - rank * chunk))",
         ("tests/test_fake_world.py::test_dry_run_model_states_follow_the_rules_at_large_n",),
     ),
+    Mutant(
+        "tensor_parallel.sp-shards-only-what-tp-shards",
+        "distributed/tensor_parallel.py",
+        "v / t if sequence_parallel or term in TP_SHARDED_TERMS else v",
+        "v / t if term in TP_SHARDED_TERMS else v",
+        ("tests/test_tensor_parallel.py::test_the_terms_sum_to_the_papers_closed_forms",),
+    ),
 ]
 
 

@@ -95,3 +95,20 @@ def test_the_attention_computes_its_local_heads_from_qkvs_width():
     local = torch.nn.Linear(32, 3 * 16)  # 2 of the 4 heads
     attn.qkv, attn.proj = local, torch.nn.Linear(16, 32)
     assert attn(torch.randn(2, 8, 32)).shape == (2, 8, 32)
+
+
+def test_two_real_gloo_ranks_keep_what_the_dry_run_says_byte_for_byte(runs):
+    """The one real world of this module: TP and TP+SP on 2 gloo processes (distributed/ranks.py runs them)."""
+    from dataclasses import asdict
+
+    from anatomy_helpers.distributed.ranks import RankJob
+    from anatomy_helpers.distributed.world import run_world
+
+    real = run_world([RankJob(s, steps=1, batch_size=BATCH, model=asdict(CFG)) for s in ("tp", "tp_sp")], 2)
+    for strategy, sp in (("tp", False), ("tp_sp", True)):
+        fake = runs[(2, sp)].trace
+        for rank in real[strategy]:
+            assert rank.backend == "gloo"
+            assert layer_parts(rank.trace) == layer_parts(fake), (strategy, rank.rank)
+            acts = rank.trace.timeline.category("activations").max()
+            assert acts == fake.timeline.category("activations").max()

@@ -47,6 +47,9 @@ STRATEGIES = {
     "fsdp2_zero2": "FSDP2, reshard_after_forward=False (ZeRO-2-like)",
     "fsdp2_zero3": "FSDP2, reshard_after_forward=True (ZeRO-3-like)",
 }
+#: Tensor parallelism over all ranks (distributed/tensor_parallel.py): every rank trains the same rows. Kept apart
+#: from STRATEGIES, which lesson 08 runs and tabulates against the ZeRO formulas.
+TP_STRATEGIES = {"tp": "tensor parallelism (parallelize_module)", "tp_sp": "tensor + sequence parallelism"}
 FAULTS = ("raise", "exit", "kill", "hang")  # for testing the runner: what the faulty rank does
 LR, WEIGHT_DECAY = 1e-3, 0.1  # make_optimizer's AdamW
 
@@ -66,8 +69,8 @@ class RankJob:
     fault_rank: int = 1
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy not in STRATEGIES and self.strategy not in TP_STRATEGIES:
+            raise ValueError(f"strategy must be one of {(*STRATEGIES, *TP_STRATEGIES)}, got {self.strategy!r}")
         for name in ("steps", "batch_size", "micro_batches", "warmup"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "warmup" else 1):
@@ -277,6 +280,14 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
         else:
             opt = make_optimizer(gpt, "adamw", lr=LR)
         return wrapped, gpt, opt
+    if job.strategy in TP_STRATEGIES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .tensor_parallel import parallelize_gpt
+
+        mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
+        parallelize_gpt(gpt, mesh, sequence_parallel=job.strategy == "tp_sp")
+        return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
     from torch.distributed.fsdp import fully_shard
 
     reshard = job.strategy == "fsdp2_zero3"
@@ -343,9 +354,10 @@ def run_job(
     dist.barrier()
     wrapped, gpt, opt = _wrap(job, device, gpt, mesh)
     step = {} if batch is None else {"batch": batch, "read_loss": False}  # a fake loss has no value to read
+    data_rank, data_ranks = (0, 1) if job.strategy in TP_STRATEGIES else (rank, world_size)  # TP: the same rows
     spy = _BufferSpy()
     with spy:
-        track_steps_untracked(wrapped, opt, job, rank, world_size, **step)
+        track_steps_untracked(wrapped, opt, job, data_rank, data_ranks, **step)
     grads_seen: dict[str, int] = {}
 
     def grads_before_step(o, args, kwargs):
@@ -371,8 +383,8 @@ def run_job(
             steps=job.steps,
             batch_size=job.batch_size,
             micro_batches=job.micro_batches,
-            rank=rank,
-            world_size=world_size,
+            rank=data_rank,
+            world_size=data_ranks,
             seed=1,
             tracker=tracker,
             **step,
