@@ -188,3 +188,23 @@ def test_the_step_ops_are_checked_and_the_collectives_left_out():
     assert run.result.collectives  # the all-reduce was issued all the same
     dry_run_rank(job("ddp", 2), 2, 0)  # (calls holds only signatures this session has not checked yet)
     assert any(isinstance(key, tuple) and str(key[0]) == "aten.addmm.default" for key in fake_check._PASSED)
+
+
+def test_an_fsdp_rank_is_exact_as_the_first_dry_run_of_a_process():
+    """FSDP2 resizes its unsharded storages to 0; an op that only reads a tensor's metadata (prim.device) on one
+    must not be refused (fake_check: no output, nothing written, nothing to check). A fresh process: no op
+    signature checked before."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from anatomy_helpers.distributed.ranks import RankJob\n"
+        "from anatomy_helpers.distributed.fake_world import dry_run_rank\n"
+        f"r = dry_run_rank(RankJob('fsdp2_zero3', steps=1, batch_size=2, model={SMALL!r}), 2, 1).result\n"
+        "print(r.model_states['optimizer_state'])\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == model_states_rule(SMALL, "fsdp2_zero3", 2, 1)["optimizer_state"]
