@@ -8,14 +8,13 @@ import torch.distributed as dist
 from anatomy_helpers.distributed.tensor_parallel import (
     TERM_MODULE,
     TP_SHARDED_TERMS,
-    check_tp,
     compare_tp_layer,
     format_tp_layer,
     korthikanti_tp_terms,
     layer_parts,
-    qkv_rank_order,
     tp_dry_run,
 )
+from anatomy_helpers.distributed.tp_plan import check_tp, qkv_rank_order
 from anatomy_helpers.model import ModelConfig
 from anatomy_helpers.prediction.formulas import KORTHIKANTI_TERMS
 

@@ -283,7 +283,7 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
     if job.strategy in TP_STRATEGIES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .tensor_parallel import parallelize_gpt
+        from .tp_plan import parallelize_gpt
 
         mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
         parallelize_gpt(gpt, mesh, sequence_parallel=job.strategy == "tp_sp")
