@@ -81,3 +81,21 @@ def test_scaling_curve_prices_each_worlds_dry_run_collectives():
     assert [r.n for r in rows] == [2, 16]
     assert rows[0].forward == rows[1].forward > 0  # weak scaling: the same rows per rank
     assert 0 < rows[0].communication < rows[1].communication  # more ring steps, padded shards
+
+
+def test_the_scaling_plot_has_one_line_per_strategy_and_units():
+    import matplotlib.pyplot as plt
+
+    from anatomy_helpers.plots import plot_scaling
+
+    colls = [_coll("backward", "allreduce_", 4_000_000)]
+    curves = {
+        s: [step_time(colls if s == "ddp" else colls * 3, n, flops=3e9, peak_flops=1e12, link=LINK) for n in (8, 64)]
+        for s in ("ddp", "fsdp")
+    }
+    fig = plot_scaling(curves)
+    left, right = fig.axes
+    assert "ms" in left.get_ylabel() and "ranks" in left.get_xlabel() and len(left.lines) == 4
+    assert [line.get_label() for line in right.lines] == ["ddp", "fsdp"]
+    assert list(right.lines[0].get_ydata()) == [r.efficiency for r in curves["ddp"]]
+    assert fig._repr_png_()[:4] == b"\x89PNG" and not plt.get_fignums()
