@@ -145,9 +145,14 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("mask", mask.view(1, 1, cfg.seq_len, cfg.seq_len), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        H, D = self.cfg.n_head, self.cfg.head_dim
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
+        B, T, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, 3C)
+        # C and H from qkv's own width: under tensor parallelism this rank computes only its share of the heads
+        C = qkv.shape[-1] // 3
+        D = self.cfg.head_dim
+        H = C // D
+        q, k, v = qkv.split(C, dim=2)  # each (B, T, C)
+        del qkv  # the views keep its storage; nothing else may (its lifetime is what the course measures)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)

@@ -413,3 +413,26 @@ def plot_fit(report, title: str | None = None):
     # wrapped: a long configuration's title would widen the figure past its notebook column
     ax.set_title(textwrap.fill(title or f"Will it fit? {report.label} on {report.device}", 90), fontsize=9)
     return fig
+
+
+def plot_scaling(curves: dict, title: str | None = None):
+    """Modelled step time and efficiency against the number of ranks: ``curves`` maps a strategy to its
+    ``sync_model.StepTime`` rows (one per N). Left: the step (solid) and its compute alone (dotted), ms; right: the
+    share of the step spent computing. Log-scaled N. Returns the Figure."""
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 3.4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    for i, (name, rows) in enumerate(curves.items()):
+        colour = f"C{i}"
+        ns = [r.n for r in rows]
+        left.plot(ns, [r.step * 1e3 for r in rows], marker="o", color=colour, label=f"{name}: step")
+        left.plot(ns, [(r.forward + r.backward) * 1e3 for r in rows], ":", color=colour, label=f"{name}: compute")
+        right.plot(ns, [r.efficiency for r in rows], marker="o", color=colour, label=name)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks N")
+    left.set_ylabel("step time (ms)")
+    right.set_ylabel("compute / step")
+    right.set_ylim(0, 1.05)
+    left.legend(fontsize=7)
+    fig.suptitle(title or "Modelled step time vs number of ranks (sync_model.py: a model, not a measurement)")
+    return fig

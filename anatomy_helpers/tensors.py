@@ -63,7 +63,7 @@ def storage_bytes(tensors, device: torch.device | str | None = None) -> int:
         if not on_device(t, device):
             continue
         st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        seen[st._cdata] = st.nbytes()  # the storage itself: fake storages (a dry run) have no data pointer
     return sum(seen.values())
 
 

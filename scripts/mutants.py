@@ -371,6 +371,28 @@ MUTANTS = [
         "pass",
         ("tests/test_levers.py::test_in_backward_never_holds_every_gradient_at_once",),
     ),
+    # ---- a fake rank of an N-rank world (fake_world.py)
+    Mutant(
+        "fake_world.batch-half-the-context",
+        "distributed/fake_world.py",
+        "batch=lambda step: course_batch(job.batch_size, cfg.seq_len),",
+        "batch=lambda step: course_batch(job.batch_size, cfg.seq_len // 2),",
+        ("tests/test_fake_world.py::test_every_fake_rank_equals_its_real_gloo_rank_byte_for_byte",),
+    ),
+    Mutant(
+        "fake_world.fsdp-shards-unpadded",
+        "distributed/fake_world.py",
+        "    return max(0, min(chunk, dim0 - rank * chunk)), chunk",
+        "    return max(0, min(chunk, dim0 - rank * chunk)), max(0, min(chunk, dim0 - rank * chunk))",
+        ("tests/test_fake_world.py::test_dry_run_model_states_follow_the_rules_at_large_n",),
+    ),
+    Mutant(
+        "tensor_parallel.sp-shards-only-what-tp-shards",
+        "distributed/tensor_parallel.py",
+        "v / t if sequence_parallel or term in TP_SHARDED_TERMS else v",
+        "v / t if term in TP_SHARDED_TERMS else v",
+        ("tests/test_tensor_parallel.py::test_the_terms_sum_to_the_papers_closed_forms",),
+    ),
 ]
 
 

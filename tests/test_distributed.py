@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from anatomy_helpers import make_model
+from anatomy_helpers.distributed.fake_world import dry_run_rank, rank_differences
 from anatomy_helpers.distributed.ranks import STRATEGIES, RankJob
 from anatomy_helpers.distributed.world import format_rank_table, rank_rows, run_world
 from anatomy_helpers.prediction.formulas import zero_model_states
@@ -220,3 +221,11 @@ def test_rank_timelines_wrap_four_ranks_into_two_rows(world):
     assert grid == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert fig.get_size_inches()[0] == pytest.approx(plot_rank_timelines(world).get_size_inches()[0])
     assert fig.get_size_inches()[0] * 100 <= NOTEBOOK_COLUMN_PX  # unshrunk in a 1280 px window
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_fake_rank_equals_each_real_rank_byte_for_byte(world, strategy):
+    """fake_world.py's dry run of each rank of this world (N = 4: tests/test_fake_world.py)."""
+    for rank in range(WORLD):
+        fake = dry_run_rank(RankJob(strategy, steps=1, batch_size=4, model=SMALL), WORLD, rank).result
+        assert rank_differences(world[strategy][rank], fake) == {}, (strategy, rank)

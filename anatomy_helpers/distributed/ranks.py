@@ -47,6 +47,9 @@ STRATEGIES = {
     "fsdp2_zero2": "FSDP2, reshard_after_forward=False (ZeRO-2-like)",
     "fsdp2_zero3": "FSDP2, reshard_after_forward=True (ZeRO-3-like)",
 }
+#: Tensor parallelism over all ranks (distributed/tensor_parallel.py): every rank trains the same rows. Kept apart
+#: from STRATEGIES, which lesson 08 runs and tabulates against the ZeRO formulas.
+TP_STRATEGIES = {"tp": "tensor parallelism (parallelize_module)", "tp_sp": "tensor + sequence parallelism"}
 FAULTS = ("raise", "exit", "kill", "hang")  # for testing the runner: what the faulty rank does
 LR, WEIGHT_DECAY = 1e-3, 0.1  # make_optimizer's AdamW
 
@@ -66,8 +69,8 @@ class RankJob:
     fault_rank: int = 1
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy not in STRATEGIES and self.strategy not in TP_STRATEGIES:
+            raise ValueError(f"strategy must be one of {(*STRATEGIES, *TP_STRATEGIES)}, got {self.strategy!r}")
         for name in ("steps", "batch_size", "micro_batches", "warmup"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "warmup" else 1):
@@ -247,16 +250,27 @@ class _BufferSpy(TorchDispatchMode):
         return [t for ref in self.refs.values() if (t := ref()) is not None]
 
 
-def _wrap(job: RankJob, device: torch.device):
-    """(module to call, course GPT, optimizer, watched storages) for ``job.strategy``."""
+def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
+    """(module to call, course GPT, optimizer) for ``job.strategy``.
+
+    ``gpt``: a model already built (a dry run's fake one, fake_world.py) instead of ``make_model``'s; DDP then skips
+    its start-up check and broadcast of the weights (``init_sync=False``: they read values a fake tensor lacks; what
+    they allocate is freed before the first step). ``mesh``: FSDP2's device mesh (a dry run makes it outside the
+    fake mode); None: FSDP2's default, all ranks."""
     from ..train import make_model, make_optimizer
 
-    gpt = make_model(device=device, seed=0, **job.model)
+    fake = gpt is not None
+    gpt = make_model(device=device, seed=0, **job.model) if gpt is None else gpt
     ids = [device.index] if device.type == "cuda" else None
     if job.strategy in ("ddp", "ddp_bucket_view", "zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        wrapped = DDP(gpt, device_ids=ids, gradient_as_bucket_view=job.strategy == "ddp_bucket_view")
+        wrapped = DDP(
+            gpt, device_ids=ids, gradient_as_bucket_view=job.strategy == "ddp_bucket_view", init_sync=not fake
+        )
+        if fake:
+            wrapped.register_comm_hook(None, _fake_allreduce_hook)
+            wrapped.reducer = _KeepBuckets(wrapped.reducer)
         if job.strategy == "zero1":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -266,13 +280,51 @@ def _wrap(job: RankJob, device: torch.device):
         else:
             opt = make_optimizer(gpt, "adamw", lr=LR)
         return wrapped, gpt, opt
+    if job.strategy in TP_STRATEGIES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .tp_plan import parallelize_gpt
+
+        mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
+        parallelize_gpt(gpt, mesh, sequence_parallel=job.strategy == "tp_sp")
+        return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
     from torch.distributed.fsdp import fully_shard
 
     reshard = job.strategy == "fsdp2_zero3"
     for block in gpt.blocks:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(gpt, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
+    fully_shard(gpt, reshard_after_forward=reshard, mesh=mesh)
     return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
+
+
+def _fake_allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default gradient all-reduce (divide the bucket by N, all-reduce it in place) as a comm hook whose
+    future holds the bucket: a fake process group's own future holds nothing, which DDP's C++ side rejects."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    dist.all_reduce(buffer)
+    done = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+# DDP checks the annotation itself, which `from __future__ import annotations` turned into a string
+_fake_allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+class _KeepBuckets:
+    """A DDP reducer that keeps its first bucket assignment: a real one rebuilds its buckets once, in the order the
+    first backward made the gradients, and agrees on it by broadcasting the indices from rank 0, which reads values
+    a fake tensor lacks. Same bytes in its buckets either way (every gradient once), made before the first step."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
 
 
 def _fsdp_buffers(gpt) -> list[torch.Tensor]:
@@ -288,17 +340,24 @@ def _fsdp_buffers(gpt) -> list[torch.Tensor]:
     return out
 
 
-def run_job(job: RankJob, rank: int, world_size: int, device: torch.device) -> RankResult:
-    """Run ``job`` on this rank of the initialised process group and measure it."""
+def run_job(
+    job: RankJob, rank: int, world_size: int, device: torch.device, *, gpt=None, mesh=None, batch=None
+) -> RankResult:
+    """Run ``job`` on this rank of the initialised process group and measure it.
+
+    A dry run (fake_world.py) passes its fake ``gpt``, FSDP2's ``mesh`` and ``batch(i)``, the global batch of step
+    ``i`` (fake tensors shaped and allocated as the course batches are); the step itself is the same."""
     from ..train import track_steps
 
     if job.fault is not None and rank == job.fault_rank:
         _fail(job.fault)
     dist.barrier()
-    wrapped, gpt, opt = _wrap(job, device)
+    wrapped, gpt, opt = _wrap(job, device, gpt, mesh)
+    step = {} if batch is None else {"batch": batch, "read_loss": False}  # a fake loss has no value to read
+    data_rank, data_ranks = (0, 1) if job.strategy in TP_STRATEGIES else (rank, world_size)  # TP: the same rows
     spy = _BufferSpy()
     with spy:
-        track_steps_untracked(wrapped, opt, job, rank, world_size)
+        track_steps_untracked(wrapped, opt, job, data_rank, data_ranks, **step)
     grads_seen: dict[str, int] = {}
 
     def grads_before_step(o, args, kwargs):
@@ -324,10 +383,11 @@ def run_job(job: RankJob, rank: int, world_size: int, device: torch.device) -> R
             steps=job.steps,
             batch_size=job.batch_size,
             micro_batches=job.micro_batches,
-            rank=rank,
-            world_size=world_size,
+            rank=data_rank,
+            world_size=data_ranks,
             seed=1,
             tracker=tracker,
+            **step,
         )
     finally:
         handle.remove()
@@ -368,10 +428,13 @@ def _cdata(p: torch.Tensor) -> int:
     return _local(p).untyped_storage()._cdata
 
 
-def track_steps_untracked(wrapped, opt, job: RankJob, rank: int, world_size: int) -> None:
+def track_steps_untracked(wrapped, opt, job: RankJob, rank: int, world_size: int, **step) -> None:
     """``job.warmup`` plain training steps of this rank: the step the tracked steps run (same rows, micro-batches
-    and seed, :func:`~anatomy_helpers.step.run_step`) on batches 1000, 1001, ..., nothing recorded."""
-    plan = StepPlan(job.batch_size, job.micro_batches, rank=rank, world_size=world_size, seed=1, first_batch=1000)
+    and seed, :func:`~anatomy_helpers.step.run_step`) on batches 1000, 1001, ..., nothing recorded. ``step``: more
+    StepPlan fields (a dry run's ``batch``)."""
+    plan = StepPlan(
+        job.batch_size, job.micro_batches, rank=rank, world_size=world_size, seed=1, first_batch=1000, **step
+    )
     for i in range(job.warmup):
         run_step(wrapped, opt, plan, i)
 

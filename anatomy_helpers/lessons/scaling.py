@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..distributed.ranks import STRATEGIES, Collective, RankJob, RankResult
+from ..distributed.sync_model import collective_name
 from ..distributed.world import format_rank_table, rank_rows, run_world
 from ..plots import CourseFigure, legend_of_all, phase_legend_entries, plot_timeline
 from ..prediction.formulas import zero_model_states
@@ -242,14 +243,6 @@ COLLECTIVE_MARKERS = {"all-gather": ("v", True), "broadcast": ("x", True), "redu
 def collective_kind(op: str) -> str:
     """The marker kind of a c10d op ("_allgather_base_" -> "all-gather"; all-reduce and reduce-scatter: "reduce")."""
     return "all-gather" if "allgather" in op else "broadcast" if "broadcast" in op else "reduce"
-
-
-def collective_name(op: str) -> str:
-    """A c10d op by its usual name: "allreduce_" -> "all-reduce", "_reduce_scatter_base_" -> "reduce-scatter"."""
-    for key, name in (("allgather", "all-gather"), ("reduce_scatter", "reduce-scatter"), ("allreduce", "all-reduce")):
-        if key in op:
-            return name
-    return op.strip("_").replace("_", "-")
 
 
 #: Rank panels per row: with more ranks, a strategy's ranks wrap onto further rows (4 ranks: 2 x 2).

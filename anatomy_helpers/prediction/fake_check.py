@@ -111,6 +111,12 @@ class OpCall:
     grad_enabled: bool
 
 
+def _writes(func) -> bool:
+    """Whether the op may write or resize one of its arguments (its schema marks it mutable)."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -180,9 +186,14 @@ class CheckedFakeTensorMode(FakeTensorMode):
             return super().__torch_dispatch__(func, types, args, kwargs)
         margs, mkwargs = _metas(args, kwargs)  # before the call, as the key
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented:  # a tensor subclass's op (DTensor): it runs its local ops, noted one by one
+            return out
         flat_out = tree_flatten(out)[0]
         tensors_out = [t for t in flat_out if isinstance(t, torch.Tensor)]
         if not flat_in and not tensors_out:  # no tensor in or out (the profiler's record_function ops)
+            _PASSED.add(key)
+            return out
+        if not tensors_out and not _writes(func):  # reads metadata only (prim.device): nothing it could allocate
             _PASSED.add(key)
             return out
         where = known.where if known is not None else _where()  # where the op was first seen

@@ -1,0 +1,203 @@
+"""Tensor parallelism (and sequence parallelism) on the course GPT with torch's own ``parallelize_module``, and the
+activations one rank keeps against Korthikanti et al.'s per-layer formulas.
+
+t-way tensor parallelism (Megatron-LM, Shoeybi et al. 2019) splits each block's two GEMM pairs across t ranks:
+``attn.qkv`` and ``mlp.fc`` by output columns (``ColwiseParallel``), ``attn.proj`` and ``mlp.proj`` by input rows
+(``RowwiseParallel``, whose outputs are summed by an all-reduce). Each rank then computes ``n_head / t`` heads and
+``4h / t`` MLP columns. Sequence parallelism (Korthikanti et al. 2022) also splits the LayerNorms and dropouts,
+which TP leaves replicated, along the sequence (``SequenceParallel``): the all-reduce becomes a reduce-scatter and
+an all-gather. Only the blocks are parallelised (:mod:`~anatomy_helpers.distributed.tp_plan`, which real ranks use
+too); the embedding and the head stay replicated on every rank.
+
+:func:`tp_dry_run` runs one rank of a t-way group on torch's fake process group and fake tensors (as
+:mod:`~anatomy_helpers.distributed.fake_world` does for data parallelism), through the course's one step, and
+:func:`layer_parts` reads what one block saved for backward, part by part. Bytes everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..model import GPT, ModelConfig
+from ..prediction.formulas import korthikanti_terms
+from .tp_plan import check_tp, parallelize_gpt
+
+#: The formula terms each rank holds 1/t of under plain TP (inside the column/row-split GEMM pairs); the others
+#: (LayerNorm inputs, the QKV and fc1 inputs, the two residual dropout masks: 10 sbh) stay whole on every rank.
+TP_SHARDED_TERMS = (
+    "Q and K",
+    "softmax output",
+    "softmax dropout mask",
+    "dropout output",
+    "V",
+    "out-proj input",
+    "GELU input",
+    "fc2 input",
+)
+
+#: Which module of a block saves each formula term (the attention core, the module ``attn`` itself, saves four).
+TERM_MODULE = {
+    "LayerNorm inputs": "ln1+ln2",
+    "QKV input": "attn.qkv",
+    "Q and K": "attn",
+    "softmax output": "attn",
+    "dropout output": "attn",
+    "V": "attn",
+    "softmax dropout mask": "attn.attn_drop",
+    "out-proj input": "attn.proj",
+    "attn dropout mask": "attn.resid_drop",
+    "fc1 input": "mlp.fc",
+    "GELU input": "mlp.gelu",
+    "fc2 input": "mlp.proj",
+    "MLP dropout mask": "mlp.drop",
+}
+
+
+def korthikanti_tp_terms(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool = False) -> dict[str, float]:
+    """One layer's activation bytes on one of ``t`` ranks, per term: :func:`korthikanti_terms` with the sharded
+    terms divided by t, and with sequence parallelism every term. They sum to the paper's closed forms,
+    ``sbh (10 + 24/t + 5as/(ht))`` and ``sbh/t (34 + 5as/h)`` (section 4.2.2 and 4.2.3)."""
+    whole = korthikanti_terms(s, b, h, a)
+    return {term: v / t if sequence_parallel or term in TP_SHARDED_TERMS else v for term, v in whole.items()}
+
+
+# ---- one rank, dry-run -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPRun:
+    """One rank of a t-way TP group: its trace (one tracked step after a warm-up) and the collectives it issued."""
+
+    t: int
+    sequence_parallel: bool
+    trace: object  # Trace
+    collectives: list
+
+
+def tp_dry_run(cfg: ModelConfig, t: int, *, sequence_parallel: bool = False, batch_size: int = 4) -> TPRun:
+    """Dry-run rank 0 of a ``t``-way tensor-parallel group of the course GPT (every rank trains the same
+    ``batch_size`` rows), on torch's fake process group and fake tensors; ops checked as every dry run's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..prediction.dryrun import _check_ops, _small_twin, build_fake_model, course_batch
+    from ..prediction.fake_check import CheckedFakeTensorMode
+    from ..step import StepPlan, run_step
+    from ..train import make_optimizer
+    from .fake_world import COLLECTIVE_NAMESPACES, _check_free, fake_process_group
+    from .ranks import RankTracker
+
+    check_tp(cfg, t)
+    _check_free()
+
+    def run(cfg: ModelConfig, rows: int):
+        with fake_process_group(t, 0):
+            mesh = init_device_mesh("cpu", (t,))
+            mode = CheckedFakeTensorMode()
+            gpt = build_fake_model(lambda: GPT(cfg), mode)
+            mode.calls.clear()
+            with mode:
+                parallelize_gpt(gpt, mesh, sequence_parallel)
+                opt = make_optimizer(gpt, "adamw")
+                plan = StepPlan(rows, batch=lambda i: course_batch(rows, cfg.seq_len), read_loss=False)
+                run_step(gpt, opt, plan, 0)  # warm-up: the optimizer state exists
+                with RankTracker(gpt, opt) as tracker:
+                    run_step(gpt, opt, plan, 1)
+        calls = {k: c for k, c in mode.calls.items() if c.func.namespace not in COLLECTIVE_NAMESPACES}
+        return TPRun(t, sequence_parallel, tracker.trace, tracker.collectives), calls
+
+    result, calls = run(cfg, batch_size)
+    twin = dataclasses.replace(_small_twin(cfg), d_model=cfg.n_head * 8)
+    _check_ops(calls, f"rank 0 of {t}-way TP", lambda: run(twin, min(batch_size, 2))[1])
+    return result
+
+
+def layer_parts(trace, layer: int = 0) -> dict[str, int]:
+    """Activation bytes block ``layer`` saved for backward in the tracked step, by module (distinct storages, each
+    for the module that saved it first; the two LayerNorms together as "ln1+ln2"). DTensors by their local shard."""
+    prefix = f"blocks.{layer}."
+    step = max(s.step for s in trace.saved)
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for s in trace.saved:
+        if s.step != step or s.category != "activations" or not s.module.startswith(prefix) or s.storage in seen:
+            continue
+        seen.add(s.storage)
+        name = s.module[len(prefix) :]
+        name = "ln1+ln2" if name in ("ln1", "ln2") else name
+        out[name] = out.get(name, 0) + s.storage_bytes
+    return out
+
+
+def formula_parts(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool = False) -> dict[str, float]:
+    """:func:`korthikanti_tp_terms` summed by the module that saves each term (:data:`TERM_MODULE`)."""
+    out: dict[str, float] = {}
+    for term, v in korthikanti_tp_terms(s, b, h, a, t, sequence_parallel).items():
+        out[TERM_MODULE[term]] = out.get(TERM_MODULE[term], 0) + v
+    return out
+
+
+# ---- measured against the formula, part by part ------------------------------------------------------------------
+
+#: Why a measured part differs from Korthikanti's term (a short name: the reason).
+GAP_REASONS = {
+    "mask dtype": "CPU dropout keeps its mask in the activation dtype, not in 1 byte (the fused CUDA kernel's)",
+    "causal mask": "masked_fill saves ~mask (s x s bool), which the formula leaves out",
+    "LN mean/rstd": "LayerNorm's mean and rstd (b x s each, per LayerNorm), which the formula leaves out",
+    "gathered input": "torch's ColwiseParallel all-gathers the sequence shards before the GEMM and autograd saves "
+    "the whole input; Megatron's sequence parallelism saves the shard and gathers it again in backward",
+}
+_MASKS = ("attn.attn_drop", "attn.resid_drop", "mlp.drop")
+
+
+@dataclass(frozen=True)
+class TPPart:
+    """One part of a block on one rank of a t-way group (bytes): measured, the formula, and the known gap."""
+
+    module: str
+    measured: int
+    formula: float
+    known_gap: int  # what GAP_REASONS accounts for: measured == formula + known_gap when the rules hold
+    why: str  # a key of GAP_REASONS, or ""
+
+
+def compare_tp_layer(run: TPRun, cfg: ModelConfig, batch_size: int, layer: int = 0) -> list[TPPart]:
+    """Block ``layer`` of a :func:`tp_dry_run` part by part against :func:`formula_parts`, with the gap each
+    known difference makes (16-bit models: the formula assumes 2-byte activations; fp32 doubles every term)."""
+    s, b, h, a, t, sp = cfg.seq_len, batch_size, cfg.d_model, cfg.n_head, run.t, run.sequence_parallel
+    elem = torch.empty(0, dtype=cfg.torch_dtype).element_size()
+    measured = layer_parts(run.trace, layer)
+    formula = formula_parts(s, b, h, a, t, sp)
+    rows = []
+    for module in sorted(set(measured) | set(formula)):
+        gap, why = 0, ""
+        if module in _MASKS:  # the formula counts 1 byte per mask element
+            gap, why = int(formula[module]) * (elem - 1), "mask dtype"
+        elif module == "attn" and cfg.attn_impl == "manual":
+            gap, why = s * s, "causal mask"
+        elif module == "ln1+ln2":
+            gap, why = 2 * 2 * b * (s // t if sp else s) * elem, "LN mean/rstd"
+        elif module in ("attn.qkv", "mlp.fc") and sp:
+            gap, why = int(2 * s * b * h - formula[module]), "gathered input"
+        rows.append(TPPart(module, measured.get(module, 0), formula.get(module, 0.0), gap, why))
+    return rows
+
+
+def format_tp_layer(parts: list[TPPart]) -> str:
+    """One block's parts on one rank: measured, formula, and the known gap with its reason (GAP_REASONS)."""
+    from ..tables import Col, format_table
+
+    cols = [
+        Col("part", 15, align="<"),
+        Col("measured", 9, ",d"),
+        Col("formula", 9, ",.0f"),
+        Col("known gap", 9, "+,d"),
+        Col("why", 14, align="<", gap="  "),
+    ]
+    rows = [[p.module, p.measured, p.formula, p.known_gap, p.why or "-"] for p in parts]
+    rows.append(
+        ["total", sum(p.measured for p in parts), sum(p.formula for p in parts), sum(p.known_gap for p in parts), ""]
+    )
+    return format_table(cols, rows, note="(bytes, one block, one rank)")
