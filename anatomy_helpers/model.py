@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .checkpointing import attention_core, check_policy, offload_context, recomputes_blocks, run_checkpointed
 from .checks import positive_int
@@ -44,6 +45,7 @@ class ModelConfig:
     block: str = "gpt2"  # "gpt2" (LayerNorm, GELU MLP, learned positions) or "llama" (see LlamaBlock)
     n_kv_head: int | None = None  # "llama": key/value heads (grouped-query attention); None means n_head
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
+    loss_chunk: int | None = None  # tokens per chunk of a chunked head + loss (chunked_cross_entropy); None: plain
 
     def __post_init__(self):
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "mlp_ratio"):
@@ -74,6 +76,8 @@ class ModelConfig:
         check_policy(self.checkpoint, self.checkpoint_every, self.n_layer)  # see checkpointing.py
         if self.block not in BLOCKS:
             raise ValueError(f"ModelConfig.block must be one of {BLOCKS}, got {self.block!r}")
+        if self.loss_chunk is not None:
+            positive_int("ModelConfig.loss_chunk", self.loss_chunk)
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"ModelConfig.tie_embeddings must be True or False, got {self.tie_embeddings!r}")
         kv = self.n_kv_head
@@ -287,6 +291,32 @@ class LlamaBlock(nn.Module):
         return x
 
 
+def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of one chunk of N tokens: x (N, C) through the head to logits (N, V), in fp32."""
+    return F.cross_entropy(F.linear(x, weight).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The mean cross-entropy of ``logits = x @ weight.T`` over all B*T tokens, without ever holding all the logits.
+
+    x (B, T, C), weight (V, C), targets (B, T). The tokens go through the LM head and the loss ``chunk`` at a time,
+    each chunk under ``torch.utils.checkpoint``: forward keeps only its inputs (views of x, the weight, the targets)
+    and frees its (chunk, V) logits at once; backward runs the head again for that chunk (the same matmul a second
+    time: 2 * chunk * C * V more FLOPs per chunk) and frees its logits and their gradient before the next chunk. So
+    the (B*T, V) logits in fp32 and their gradient, which dominate the end of forward and the start of backward for
+    a large vocabulary, shrink to one chunk's. The same loss as the plain one up to the order of the sums (float
+    rounding).
+    """
+    B, T, C = x.shape
+    flat, tgt = x.reshape(B * T, C), targets.reshape(B * T)
+    total = None
+    # split (not slicing): autograd joins the chunks' input gradients once, in one (B*T, C) tensor
+    for xs, ts in zip(flat.split(chunk), tgt.split(chunk)):
+        part = checkpoint(_chunk_loss, xs, weight, ts, use_reentrant=False)
+        total = part if total is None else total + part
+    return total / (B * T)
+
+
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` blocks, final LayerNorm, LM head, cross-entropy.
 
@@ -327,7 +357,8 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx, targets: (B, T) token ids. Returns (logits (B, T, V), loss or None)."""
+        """idx, targets: (B, T) token ids. Returns (logits (B, T, V), loss or None); with ``cfg.loss_chunk`` and
+        targets, (None, loss): the loss is :func:`chunked_cross_entropy`, which never holds all the logits."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds ModelConfig.seq_len={self.cfg.seq_len}")
@@ -345,6 +376,8 @@ class GPT(nn.Module):
                     x = block(x)  # (B, T, C); nothing else holds the previous x, so it can be freed
 
         x = self.ln_f(x)  # (B, T, C)
+        if targets is not None and self.cfg.loss_chunk is not None:
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.cfg.loss_chunk)
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:

@@ -7,9 +7,11 @@ global figure is left open; a returned figure shows itself as the cell's value.
 from __future__ import annotations
 
 import io
+import textwrap
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.text import Annotation
 
 from .tracking.events import CATEGORIES, NO_MODULE, PHASES
@@ -343,3 +345,71 @@ def _module_sort_key(name: str):
     head = order.index(parts[0]) if parts[0] in order else len(order)
     num = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1
     return (head, num, name)
+
+
+#: The device's lines are drawn when they lie within this many times the tallest bar; further up they would squeeze
+#: the bars flat (a toy model's 0.1 GiB under a T4's 14.5 GiB), so the legend gives the value and says it is off the
+#: scale instead.
+DEVICE_LINE_RANGE = 3.0
+
+
+def plot_fit(report, title: str | None = None):
+    """Stacked bars (tensor bytes by category at each phase's peak) for step 1 and step 2, the allocator's
+    overhead on top (hatched), and the device's usable memory and capacity as lines when they are within
+    :data:`DEVICE_LINE_RANGE` times the tallest bar (else the legend names them as off the scale). The y-axis
+    scales to what is drawn; the lines are named in the legend, clear of the bars. ``report``: a
+    ``prediction.fit.FitReport`` (lessons 06 and 09)."""
+    tallest = max(max(p.reserved, p.tensors) for p in report.phases)
+    lines = [  # (bytes, what, line style)
+        (report.usable, f"usable on {report.device}", "--"),
+        (report.capacity, f"capacity of {report.device}", ":"),
+    ]
+    drawn = [line for line in lines if line[0] <= DEVICE_LINE_RANGE * tallest]
+    unit, scale = pick_unit(max([tallest] + [b for b, _, _ in drawn]))
+    fig = CourseFigure(figsize=(8, 2.9), layout="constrained")  # fits a 1280 px window's notebook column (844 px)
+    ax = fig.add_subplot()
+    xs = np.arange(len(report.phases))
+    shown = [c for c in CATEGORIES if any(p.breakdown.get(c, 0) for p in report.phases)]
+    bottom = np.zeros(len(xs))
+    for c in shown:
+        vals = np.array([p.breakdown.get(c, 0) for p in report.phases]) / scale
+        ax.bar(xs, vals, bottom=bottom, color=CATEGORY_COLORS[c], label=CATEGORY_LABELS[c], width=0.7)
+        bottom += vals
+    over = np.array([max(p.reserved - p.tensors, 0) for p in report.phases]) / scale
+    ax.bar(
+        xs,
+        over,
+        bottom=bottom,
+        color="white",
+        edgecolor="#888888",
+        hatch="//",
+        width=0.7,
+        label="reserved, not allocated (simulated, uncapped)",
+    )
+    handles, labels = ax.get_legend_handles_labels()
+    for nbytes, what, style in lines:
+        if (nbytes, what, style) in drawn:
+            handles.append(ax.axhline(nbytes / scale, color="black", linestyle=style, linewidth=1.2))
+            labels.append(f"{what}: {format_bytes(nbytes)}")
+        else:  # an empty handle: the legend says where the line would be
+            handles.append(Patch(facecolor="none", edgecolor="none"))
+            labels.append(f"{what}: {format_bytes(nbytes)},\n  off the scale ({nbytes / tallest:.0f}x the tallest bar)")
+    ax.set_ylim(0, max([tallest] + [b for b, _, _ in drawn]) / scale * 1.1)
+    fail = report.first_failure
+    if fail is not None and fail in report.phases:
+        i = report.phases.index(fail)
+        ax.annotate(
+            "runs out first",
+            (i, report.usable / scale),
+            xytext=(i, report.usable / scale * 0.55),
+            ha="center",
+            fontsize=8,
+            arrowprops=dict(arrowstyle="->"),
+        )
+    ax.set_xticks(xs, [f"step {p.step}\n{p.phase}" for p in report.phases])
+    ax.set_xlabel("phase of the training step")
+    ax.set_ylabel(f"peak memory ({unit})")
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    # wrapped: a long configuration's title would widen the figure past its notebook column
+    ax.set_title(textwrap.fill(title or f"Will it fit? {report.label} on {report.device}", 90), fontsize=9)
+    return fig

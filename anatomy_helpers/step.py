@@ -4,8 +4,9 @@
 Every loop of the course runs its steps through :func:`run_step`: ``train.track_steps`` (inside a StepTracker),
 the dry run (``prediction/dryrun.py``, on fake tensors), each data-parallel rank (its untracked warm-up and its
 tracked steps, ``distributed/ranks.py``) and the profiled loop of lesson 07. So a dry run allocates what a real run
-allocates because it *is* the same code, not a copy kept in step. Also here: :func:`step_flops`, the FLOPs of one
-forward and backward as torch's ``FlopCounterMode`` counts them.
+allocates because it *is* the same code, not a copy kept in step. Also here: :class:`OptimizerInBackward` (the
+optimizer step fused into backward, which :func:`run_step` runs inside ``loss.backward()``) and :func:`step_flops`,
+the FLOPs of one forward and backward as torch's ``FlopCounterMode`` counts them.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -21,7 +22,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from .checks import int_in, one_of, optional_callable, positive_int
+from .checks import int_in, one_of, optional_callable, positive_int, positive_number
 from .data import SEED_LIMIT, get_batch
 
 AUTOCAST_CHOICES = (None, "bfloat16", "float16")
@@ -58,6 +59,73 @@ class StepHooks:
 NO_HOOKS = StepHooks()
 
 
+class OptimizerInBackward(torch.optim.Optimizer):
+    """The optimizer step fused into backward: one optimizer per parameter, each stepped by a hook the moment that
+    parameter's gradient is complete, which then frees that gradient (PyTorch's tutorial "How to save memory by
+    fusing the optimizer step into the backward pass"). So the gradients are never all alive at once: at most the
+    ones backward is still summing, where the plain step holds every gradient when the optimizer starts.
+
+    ``make([p])`` builds the optimizer of one parameter (any ``torch.optim`` optimizer whose update of a parameter
+    reads only that parameter's gradient: SGD, momentum, Adam(W)). All of them share one ``state`` dict, so
+    ``optimizer.state`` reads as a plain optimizer's and the tracker counts it as optimizer state. The hooks live
+    only while :func:`run_step` runs backward (:meth:`in_backward`). What it cannot do, by construction, raises a
+    ValueError there: clipping the gradients by their norm over all parameters (no moment holds them all),
+    accumulating micro-batches (the step would run at every micro-batch's backward), a GradScaler (it unscales and
+    checks every gradient before any step) and data parallelism (DDP averages the gradients after they land).
+    """
+
+    def __init__(self, params, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise ValueError("OptimizerInBackward needs at least one parameter that requires a gradient")
+        super().__init__(params, {})
+        self.optimizers = {p: make([p]) for p in params}  # a tensor hashes by identity: one entry per parameter
+        for opt in self.optimizers.values():
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ValueError(f"make([p]) must return a torch.optim.Optimizer, got {type(opt).__name__}")
+            opt.state = self.state  # one dict keyed by parameter for all: counted once, read like any optimizer's
+        self._ready: torch.Tensor | None = None  # the parameter whose gradient has just landed
+        self._set_to_none = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step the one parameter whose gradient has just landed, then free (or zero) that gradient. Called by the
+        hook inside backward (through ``Optimizer.step``'s own hooks, so a tracker sees an optimizer phase)."""
+        p = self._ready
+        if p is None or closure is not None:
+            raise ValueError(
+                "OptimizerInBackward steps each parameter inside loss.backward(): run the step with run_step "
+                "(or under `with optimizer.in_backward():`), not optimizer.step()"
+            )
+        self.optimizers[p].step()
+        if self._set_to_none:
+            p.grad = None  # this gradient dies now, before backward computes the next one
+        else:
+            p.grad.zero_()
+
+    @contextlib.contextmanager
+    def in_backward(self, set_to_none: bool = True):
+        """While inside: each parameter is stepped as its gradient lands (``register_post_accumulate_grad_hook``);
+        the hooks are removed on leaving, whatever happened."""
+
+        def hook(p: torch.Tensor) -> None:
+            self._ready = p
+            try:
+                self.step()
+            finally:
+                self._ready = None
+
+        self._set_to_none = set_to_none
+        handles = []
+        try:
+            for p in self.optimizers:
+                handles.append(p.register_post_accumulate_grad_hook(hook))
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What one training step does; checked once, when the plan is made (ValueError naming the field).
@@ -71,6 +139,9 @@ class StepPlan:
     optimizer step. ``autocast`` ("bfloat16", or "float16" on CUDA) runs forward and loss under ``torch.autocast``.
     ``optimizer_step=False`` stops after backward (gradients kept, no optimizer phase). ``read_loss``: read the
     loss value (``.item()``, which allocates nothing); a dry run cannot, its tensors hold no values.
+    ``clip_grad_norm``: scale the gradients so that their norm over all parameters is at most this, before the
+    step (``torch.nn.utils.clip_grad_norm_``). An :class:`OptimizerInBackward` steps inside backward instead of
+    after it: :func:`run_step` refuses it with clipping, micro-batches, a GradScaler or data parallelism.
     """
 
     batch_size: int = 8  # rows of the global batch (all ranks, all micro-batches) of the course batches
@@ -83,6 +154,7 @@ class StepPlan:
     set_to_none: bool = True
     optimizer_step: bool = True
     read_loss: bool = True
+    clip_grad_norm: float | None = None
     batch: Callable[[int], Sequence[torch.Tensor]] | None = None  # None: the course batches (get_batch)
     loss: Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor] = gpt_loss
     hooks: StepHooks = NO_HOOKS
@@ -101,6 +173,8 @@ class StepPlan:
         for name in ("set_to_none", "optimizer_step", "read_loss"):
             one_of(name, getattr(self, name), (True, False))
         optional_callable("batch", self.batch)
+        if self.clip_grad_norm is not None:
+            positive_number("clip_grad_norm", self.clip_grad_norm)
         if not callable(self.loss):
             raise ValueError(f"loss must be a function (model, batch) -> loss, got {self.loss!r}")
         if not isinstance(self.hooks, StepHooks):
@@ -155,10 +229,14 @@ def run_step(
     given); then ``optimizer.step()`` (``scaler.step`` and ``scaler.update``) and
     ``optimizer.zero_grad(set_to_none=...)``. With one micro-batch the loss lives until after the optimizer step;
     with several, each micro-batch's loss dies after its backward. The batch is freed last, first tensor first.
-    ``model`` may be a wrapper (DDP) whose ``.module`` is the course GPT.
+    ``model`` may be a wrapper (DDP) whose ``.module`` is the course GPT. With an :class:`OptimizerInBackward`
+    each parameter is stepped inside backward as its gradient lands, and no optimizer step follows.
     """
     hooks, k = plan.hooks, plan.micro_batches
     device = next(model.parameters()).device
+    fused = isinstance(optimizer, OptimizerInBackward)
+    if fused:
+        _check_in_backward(plan, scaler)
     hooks.before_step(model, plan, step)
     batch = _rows(plan, model, step, device)
     rows = batch[0].shape[0] // k if k > 1 else None
@@ -169,14 +247,16 @@ def run_step(
         with hooks.phase("forward"), mixed or contextlib.nullcontext():
             loss = plan.loss(model, part) if k == 1 else plan.loss(model, part) / k
         del part
-        with hooks.phase("backward"):
+        with hooks.phase("backward"), optimizer.in_backward(plan.set_to_none) if fused else contextlib.nullcontext():
             hooks.backward(loss if scaler is None else scaler.scale(loss))
         hooks.after_backward(loss)
         if k > 1:
             parts.append(loss.item() if plan.read_loss else None)
             del loss
-    if plan.optimizer_step:
+    if plan.optimizer_step and not fused:
         with hooks.phase("optimizer"):
+            if plan.clip_grad_norm is not None:  # over all parameters: every gradient must be there
+                torch.nn.utils.clip_grad_norm_(model.parameters(), plan.clip_grad_norm)
             if scaler is None:
                 optimizer.step()
             else:  # skips the step if a gradient overflowed, then adapts the scale
@@ -191,6 +271,32 @@ def run_step(
     for j in range(len(batch)):  # freed first to last; the next batch should not overlap with this one
         batch[j] = None
     return value
+
+
+def _check_in_backward(plan: StepPlan, scaler) -> None:
+    """ValueError for what an :class:`OptimizerInBackward` cannot do, saying why."""
+    why = {
+        "clip_grad_norm": "clipping by the norm over all parameters needs every gradient at once, and this optimizer "
+        "steps each parameter (and frees its gradient) as soon as its gradient lands",
+        "micro_batches": "accumulating gradients needs them kept across micro-batches, and this optimizer would step "
+        "at every micro-batch's backward",
+        "scaler": "a GradScaler unscales and checks every gradient for inf/NaN before any parameter is stepped",
+        "world_size": "data parallelism averages each gradient across ranks after it lands, and this optimizer steps "
+        "before that",
+        "optimizer_step": "it steps inside backward: there is no step to leave out",
+    }
+    asked = {
+        "clip_grad_norm": plan.clip_grad_norm is not None,
+        "micro_batches": plan.micro_batches > 1,
+        "scaler": scaler is not None,
+        "world_size": plan.world_size > 1,
+        "optimizer_step": not plan.optimizer_step,
+    }
+    for name, on in asked.items():
+        if on:
+            raise ValueError(
+                f"the optimizer step fused into backward (OptimizerInBackward) cannot take {name}: {why[name]}"
+            )
 
 
 def step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, early_stop: bool = True) -> int:

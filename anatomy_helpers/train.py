@@ -3,20 +3,66 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
-from .checks import optional_callable, positive_int, positive_number
+from .checks import one_of, optional_callable, positive_int, positive_number
 from .data import seed_everything
 from .model import GPT, ModelConfig
-from .step import StepPlan, run_step
+from .step import OptimizerInBackward, StepPlan, run_step
 from .tracking.trace import Trace
 from .tracking.tracker import StepTracker
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the four lesson 03 compares
+OPTIMIZER_NAMES = (*OPTIMIZERS, "adamw_bf16", "adamw8bit")  # every name make_optimizer takes (lesson 10's too)
+
+
+class AdamWBF16State(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, Loshchilov & Hutter 2019) whose two moments are *stored* in bfloat16: 2 + 2
+    bytes per parameter of state instead of torch's 4 + 4 for a float32 model.
+
+    torch's own Adam(W) keeps its state in the parameter's dtype and has no option for a narrower one, so this is
+    written out here, the update itself in float32: each moment is widened, updated with torch's formulas
+    (``torch/optim/adamw.py``, single-tensor path) and rounded back to bf16 (round to nearest, no stochastic
+    rounding). The cost: float32 temporaries of one parameter's size during its update, and the second moment's
+    small increments ((1 - beta2) g^2 on a value with 8 bits of mantissa) partly lost to rounding, which changes
+    the training dynamics a little: measure the loss beside float32 AdamW (tests/test_levers.py). The step count is a
+    Python int (no tensor, no bytes), so a dry run can follow the bias correction without reading a value.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+        positive_number("lr", lr)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("AdamWBF16State takes no closure")
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = state["step"]
+                g = p.grad.float()  # the gradient itself when it is float32 (no copy)
+                m = state["exp_avg"].float().lerp_(g, 1 - b1)  # float32 temporaries, one parameter's size each
+                v = state["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                state["exp_avg"].copy_(m)  # rounded back to bf16: the state that stays
+                state["exp_avg_sq"].copy_(v)
+                p.mul_(1 - lr * wd)
+                denom = v.div_(1 - b2**t).sqrt_().add_(eps)  # in place on the float32 copy: one temporary fewer
+                p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+        return None
 
 
 def pick_device(preferred: str | torch.device | None = None) -> torch.device:
@@ -44,29 +90,74 @@ def pick_device(preferred: str | torch.device | None = None) -> torch.device:
     return device
 
 
+def adamw_8bit(params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """bitsandbytes' ``AdamW8bit`` (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"), the same
+    hyperparameters as ``adamw``: each moment stored as one uint8 per parameter plus a float32 scale per block of
+    256 (and a 256-entry float32 code book per moment); tensors under 4,096 elements keep float32 state
+    (bitsandbytes' ``min_8bit_size``). It runs on CPU (bitsandbytes' CPU backend, checked with 0.50.2) and on
+    CUDA. A dry run cannot follow it: it reads tensor values (each block's absolute maximum), and a dry run has none.
+
+    Needs the optional extra: ``pip install "anatomy_helpers[levers]"`` (or ``bitsandbytes``); ValueError if missing.
+    """
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")  # warns that an optional 4-bit matmul kernel (the
+    level = quiet.level  # `kernels` package) is missing; nothing here uses 4-bit matmuls
+    quiet.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError(
+            'optimizer "adamw8bit" needs bitsandbytes: pip install "anatomy_helpers[levers]" (or bitsandbytes)'
+        ) from None
+    finally:
+        quiet.setLevel(level)
+    return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=0.1)
+
+
 def make_optimizer(
-    model: nn.Module, name: str = "adamw", lr: float = 1e-3, foreach: bool | None = None, fused: bool | None = None
+    model: nn.Module,
+    name: str = "adamw",
+    lr: float = 1e-3,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    *,
+    in_backward: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer ``name`` (sgd, momentum, adam, adamw) over the model's parameters.
+    """The optimizer ``name`` (sgd, momentum, adam, adamw, adamw_bf16) over the model's parameters.
 
     ``foreach=None`` keeps torch's default for the device: the single-tensor loop on
     CPU and the foreach (multi-tensor) implementation on CUDA. ``fused=True`` asks for
-    the fused kernel (one kernel updates every parameter in place).
+    the fused kernel (one kernel updates every parameter in place). ``adamw_bf16``:
+    :class:`AdamWBF16State` (the same hyperparameters as ``adamw``, its state in bf16); ``adamw8bit``:
+    bitsandbytes' 8-bit AdamW (:func:`adamw_8bit`, an optional dependency).
+    ``in_backward=True``: the step fused into backward, one such optimizer per parameter
+    (:class:`~anatomy_helpers.step.OptimizerInBackward`).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
     positive_number("lr", lr)
-    params = model.parameters()
+    one_of("in_backward", in_backward, (True, False))
+    if name not in OPTIMIZER_NAMES:
+        raise ValueError(f"optimizer must be one of {OPTIMIZER_NAMES}, got {name!r}")
+    if name in ("adamw_bf16", "adamw8bit") and (foreach or fused):
+        raise ValueError(f"{name} has one implementation: no foreach, no fused")
+    if in_backward:
+        return OptimizerInBackward(model.parameters(), lambda params: _optimizer(params, name, lr, foreach, fused))
+    return _optimizer(model.parameters(), name, lr, foreach, fused)
+
+
+def _optimizer(params, name: str, lr: float, foreach: bool | None, fused: bool | None) -> torch.optim.Optimizer:
     impl = {"foreach": foreach, "fused": fused}
+    if name == "adamw_bf16":
+        return AdamWBF16State(params, lr=lr, weight_decay=0.1)
+    if name == "adamw8bit":
+        return adamw_8bit(params, lr=lr)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, **impl)
     if name == "momentum":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, **impl)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, **impl)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **impl)
-    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **impl)  # "adamw"
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -99,7 +99,8 @@ def torch_attempts(
 def setup_key(dev: bool) -> str:
     """What the environment was set up from: changes whenever a requirement file or the package metadata does."""
     h = hashlib.sha256()
-    files = [LEARNER_REQUIREMENTS, ROOT / "pyproject.toml", LAB_SETTINGS] + ([DEV_REQUIREMENTS] if dev else [])
+    dev_files = [DEV_REQUIREMENTS, ROOT / "site" / "requirements.txt"]  # the second: requirements-dev's -r
+    files = [LEARNER_REQUIREMENTS, ROOT / "pyproject.toml", LAB_SETTINGS] + (dev_files if dev else [])
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]

@@ -293,6 +293,13 @@ MUTANTS = [
         ("tests/test_tracker_categories.py",),
     ),
     Mutant(
+        "recorder.held-frees-in-hash-order",
+        "tracking/recorder.py",
+        "            for alloc_id, cdata in sorted(held):",
+        "            for alloc_id, cdata in held:",
+        ("tests/test_recorder.py::test_frees_at_one_moment_are_recorded_oldest_allocation_first",),
+    ),
+    Mutant(
         "events.precedence-reversed",
         "tracking/events.py",
         "    return min(current, other, key=CATEGORY_PRECEDENCE.index)",
@@ -348,6 +355,21 @@ MUTANTS = [
         '_HEAD_MODULES = ("ln_f", "lm_head", ROOT)',
         '_HEAD_MODULES = ("ln_f", "lm_head")',
         ("tests/test_trace.py::test_model_part_names_the_parts_in_forward_order",),
+    ),
+    # ---- lesson 10's levers: the chunked loss recomputes its chunk's logits; the step in backward frees each gradient
+    Mutant(
+        "model.chunked-loss-keeps-the-logits",
+        "model.py",
+        "part = checkpoint(_chunk_loss, xs, weight, ts, use_reentrant=False)",
+        "part = _chunk_loss(xs, weight, ts)",
+        ("tests/test_levers.py::test_loss_chunk_trains_the_same_parameters_and_never_holds_the_logits",),
+    ),
+    Mutant(
+        "step.in-backward-keeps-each-gradient",
+        "step.py",
+        "p.grad = None  # this gradient dies now, before backward computes the next one",
+        "pass",
+        ("tests/test_levers.py::test_in_backward_never_holds_every_gradient_at_once",),
     ),
 ]
 

@@ -148,3 +148,5 @@ def test_predict_prints_a_tiny_model_in_mib_and_ranks_fixes(capsys):
     out = capsys.readouterr().out
     assert "(MiB;" in out and " 0.00 " not in out
     assert "changes" in out and "time only" in out and "numerics" in out
+    # lesson 10's levers are candidates too
+    assert "optimizer step in backward" in out and "chunked loss (" in out and "bf16 optimizer state" in out

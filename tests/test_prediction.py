@@ -10,8 +10,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.lessons.prediction import DEVICE_LINE_RANGE, fit_panel, plot_fit
+from anatomy_helpers.lessons.prediction import fit_panel
 from anatomy_helpers.model import GPT, ModelConfig
+from anatomy_helpers.plots import DEVICE_LINE_RANGE, plot_fit
 from anatomy_helpers.prediction.allocator import min_limit_to_pass
 from anatomy_helpers.prediction.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, get_device, gib_device
 from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config
@@ -163,18 +164,19 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
     names = [f.name for f in fixes]
     assert all(f.fits for f in fixes)
     assert EFFECTS == ("time only", "numerics", "global batch", "optimizer", "trained parameters")  # LoRA: hf_fixes
-    assert set(names[:2]) == {"checkpoint=selective", "fused optimizer"}
-    assert names[2:] == [
-        "micro-batch 2 x 2 (accumulate)",
-        "checkpoint=attention",
-        "checkpoint=full",
-        "bf16 autocast",
-        "batch 2 (smaller global batch)",
-        "SGD with momentum",
-    ]
+    # (lesson 10's levers: the step in backward frees the gradients at no FLOP cost; the chunked loss recomputes
+    # the head's matmul, a small one at vocabulary 59; bf16 optimizer state changes the numerics)
+    assert set(names[:3]) == {"checkpoint=selective", "fused optimizer", "optimizer step in backward"}
+    assert names[3:6] == ["micro-batch 2 x 2 (accumulate)", "chunked loss (8 tokens)", "checkpoint=attention"]
+    assert names[6] == "checkpoint=full"
+    assert set(names[7:9]) == {"bf16 autocast", "bf16 optimizer state"}  # numerics, no extra FLOPs: by peak
+    assert names[9:] == ["batch 2 (smaller global batch)", "SGD with momentum"]
     extra = {f.name: f.extra_flops for f in fixes}
     assert extra["checkpoint=selective"] == extra["fused optimizer"] == extra["micro-batch 2 x 2 (accumulate)"] == 0
-    assert 0 < extra["checkpoint=attention"] < extra["checkpoint=full"]
+    assert extra["optimizer step in backward"] == extra["bf16 optimizer state"] == 0
+    tokens, h, v = 4 * SMALL["seq_len"], SMALL["d_model"], cfg.vocab_size
+    assert extra["chunked loss (8 tokens)"] == pytest.approx(2 * tokens * h * v / none)  # the head, recomputed
+    assert 0 < extra["chunked loss (8 tokens)"] < extra["checkpoint=attention"] < extra["checkpoint=full"]
     ck = next(f for f in fixes if f.name == "checkpoint=full")
     assert ck.extra_flops == pytest.approx(full / none - 1) and ck.effect == "time only"
     assert {f.name: f.effect for f in fixes if not f.name.startswith("checkpoint")} == {
@@ -183,6 +185,9 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
         "fused optimizer": "time only",
         "SGD with momentum": "optimizer",
         "bf16 autocast": "numerics",  # a size alone: capability unknown, bf16 offered with a note
+        "optimizer step in backward": "time only",
+        "chunked loss (8 tokens)": "time only",
+        "bf16 optimizer state": "numerics",
     }
     assert "numerics" in fixes_table(fixes)
 
@@ -190,7 +195,8 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
 def test_training_preserving_fixes_rank_first_and_the_t4_gets_fp16():
     t4 = cheapest_fix(GPT2_SMALL, 12, device="t4")
     names = [f.name for f in t4]
-    assert names[:2] == ["micro-batch 6 x 2 (accumulate)", "checkpoint=full"]  # time only, ahead of autocast
+    # time only, ahead of autocast; the chunked loss (the head recomputed) costs fewer FLOPs than every block
+    assert names[:3] == ["micro-batch 6 x 2 (accumulate)", "chunked loss (256 tokens)", "checkpoint=full"]
     assert "fp16 autocast + GradScaler" in names and "bf16 autocast" not in names  # sm_75: no native bf16
     amp = next(f for f in t4 if f.name.startswith("fp16"))
     assert amp.fits and amp.extra_flops == 0 and amp.effect == "numerics" and "GradScaler" in amp.name

@@ -124,6 +124,26 @@ def test_allocations_resizes_and_frees_become_the_trace_in_order():
     assert trace.alloc_category.tolist() == [PARAMETERS, TEMPORARIES]
 
 
+def test_frees_at_one_moment_are_recorded_oldest_allocation_first():
+    """Leaving torch.autocast frees its weight casts in hash-map order (addresses): the recorder fixes the order."""
+    rec = _recording()
+    rec.close_baseline()
+    ts = [torch.zeros(n) for n in (1, 2, 3)]
+    ids = [rec.allocation_id(t) for t in ts]
+    with rec.frees_in_allocation_order():
+        ts.reverse()
+        while ts:
+            ts.pop(0)  # newest first
+        assert rec.samples == 3  # held until the block ends
+    del ts
+    after = torch.zeros(5)
+    rec.allocation_id(after)  # an allocation after the block: recorded after the frees
+    del after
+    trace = rec.end()
+    assert trace.alloc_ids.tolist() == [*ids, *ids, 3, 3]
+    assert trace.alloc_deltas.tolist() == [F32, 2 * F32, 3 * F32, -F32, -2 * F32, -3 * F32, 5 * F32, -5 * F32]
+
+
 def test_a_free_after_end_is_not_recorded():
     rec = _recording()
     t = torch.zeros(4)

@@ -136,6 +136,7 @@ def _no_hooks_left(model, opt):
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert "zero_grad" not in vars(opt)
     assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+    assert torch.clear_autocast_cache is torch._C.clear_autocast_cache  # the tracker orders its frees while it runs
 
 
 def test_hooks_are_removed_on_exit_and_on_error(small):

@@ -246,6 +246,7 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
     mode = CheckedFakeTensorMode()  # notes the op calls to check
     model = build_fake_model(model_factory, mode, device)
     mode.calls.clear()  # making the fake model is the dry run's own doing, not the step's
+    optimizer = None
     try:
         with mode:
             optimizer = optimizer_factory(model)
@@ -263,8 +264,10 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
                 fake=True,
             )
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        named = f" ({type(optimizer).__name__})" if optimizer is not None else ""
+        who = f"{type(model).__name__} or its optimizer{named}"
         raise DryRunError(
-            f"{type(model).__name__} reads tensor values during the step ({e.func if hasattr(e, 'func') else e}): "
+            f"{who} reads tensor values during the step ({e.func if hasattr(e, 'func') else e}): "
             "a dry run has shapes but no values, so it cannot run code that branches on data or whose output "
             "shape depends on it (.item(), .tolist(), nonzero, boolean masks)"
         ) from e
@@ -332,12 +335,15 @@ def dry_run_config(
     batch_size: int = 8,
     steps: int = 2,
     autocast: str | None = None,
+    in_backward: bool = False,
+    set_to_none: bool = True,
     **config,
 ) -> Trace:
     """Dry-run ``track_steps`` on the course GPT: ``cfg`` (or ModelConfig fields as keywords), on CPU.
 
     The same loop as ``track_steps(make_model(**config), make_optimizer(model, optimizer, foreach=..,
-    fused=..), steps, batch_size, autocast=...)``, with the same batches' allocations (:func:`course_batch`).
+    fused=.., in_backward=..), steps, batch_size, autocast=..., set_to_none=...)``, with the same batches'
+    allocations (:func:`course_batch`).
     Byte for byte the real trace with ``kernel_scratch=False``; any size (nothing is allocated). The ops of a
     large configuration are checked against the real kernels on a small twin (:func:`_small_twin`, once per
     session for each set of code paths), see :func:`dry_run`.
@@ -347,16 +353,17 @@ def dry_run_config(
     cfg = cfg if cfg is not None else ModelConfig(**config)
     positive_int("batch_size", batch_size)
     _check_steps(steps, autocast)
+    one_of("set_to_none", set_to_none, (True, False))
 
     def run(cfg: ModelConfig, batch_size: int):
         return _run_fake(
             lambda: GPT(cfg),
             lambda step: course_batch(batch_size, cfg.seq_len),
             gpt_loss,
-            lambda model: make_optimizer(model, optimizer, foreach=foreach, fused=fused),
+            lambda model: make_optimizer(model, optimizer, foreach=foreach, fused=fused, in_backward=in_backward),
             steps,
             autocast,
-            True,
+            set_to_none,
             "cpu",
         )
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -53,6 +54,12 @@ _ENTRY_OPS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default)
 _PASSED: set[tuple] = set(_ENTRY_OPS)  # signatures whose fake kernel matched the real one in this process
 _FAILED: dict[tuple, str] = {}  # signature -> how the fake kernel differed
 
+
+# A tensor's metadata asked through the dispatcher (prim.device, aten.size, aten.stride, aten.storage_offset):
+# FakeTensorMode answers these from the fake tensor itself, first thing in its dispatch; no kernel, nothing to check.
+# C++ asks a fake tensor its device through Python each time (autograd's engine for every gradient, for one):
+# about 60,000 times a step on an 8B model with LoRA adapters, so they skip the signature too.
+_METADATA_QUERIES = getattr(fake_tensor, "_DISPATCH_META_HANDLERS", {})
 
 _KEPT = (bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
@@ -151,6 +158,9 @@ class CheckedFakeTensorMode(FakeTensorMode):
         self._depth = 0  # > 0 inside an op: the ops a fake kernel runs itself (decompositions) are its own affair
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        query = _METADATA_QUERIES.get(func)
+        if query is not None:
+            return query(args)
         kwargs = kwargs or {}
         if self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)

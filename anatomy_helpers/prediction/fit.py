@@ -179,6 +179,8 @@ def describe(cfg: ModelConfig, batch_size: int, optimizer: str, implementation: 
     if cfg.checkpoint != "none":
         every = f" {cfg.checkpoint_every}" if cfg.checkpoint == "every_k" else ""
         parts.append(f"checkpoint {cfg.checkpoint}{every}")
+    if cfg.loss_chunk is not None:
+        parts.append(f"loss in chunks of {cfg.loss_chunk} tokens")
     return ", ".join(parts)
 
 
@@ -208,11 +210,12 @@ class FitRequest:
 
     cfg: ModelConfig = field(default_factory=ModelConfig)
     batch_size: int = 8  # the global batch, in sequences
-    optimizer: str = "adamw"  # one of train.OPTIMIZERS
+    optimizer: str = "adamw"  # one of train.OPTIMIZER_NAMES
     implementation: str = "foreach"  # the optimizer's: "single", "foreach" (torch's CUDA default), "fused"
     autocast: str | None = None  # None, "bfloat16" or "float16"
     device: str | int | Device = "t4"  # a short name, "this GPU", a total in bytes, or a Device
     micro_batches: int = 1  # gradient accumulation: batch_size // micro_batches sequences per forward
+    in_backward: bool = False  # the optimizer step fused into backward (step.OptimizerInBackward)
 
     def but(self, **changes) -> FitRequest:
         """The same request with ``changes`` (field name -> value)."""
@@ -222,12 +225,13 @@ class FitRequest:
         """What the request runs, in words (the device aside)."""
         b = self.batch_size // self.micro_batches
         text = describe(self.cfg, b, self.optimizer, self.implementation, self.autocast)
+        text += " stepped in backward" if self.in_backward else ""
         return text + (f" x {self.micro_batches} micro-batches" if self.micro_batches > 1 else "")
 
     def check(self) -> Device:
         """Check every field before any work; returns the Device. ValueError names the field and says why."""
         from ..step import AUTOCAST_CHOICES
-        from ..train import OPTIMIZERS
+        from ..train import OPTIMIZER_NAMES
         from .formulas import param_count
 
         cfg, batch_size = self.cfg, self.batch_size
@@ -238,8 +242,13 @@ class FitRequest:
         positive_int("micro_batches", self.micro_batches)
         if batch_size % self.micro_batches:
             raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({self.micro_batches})")
-        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("optimizer", self.optimizer, OPTIMIZER_NAMES)
         one_of("implementation", self.implementation, IMPLEMENTATION_FLAGS)
+        one_of("in_backward", self.in_backward, (True, False))
+        if self.optimizer in ("adamw_bf16", "adamw8bit") and self.implementation != "single":
+            raise ValueError(f"optimizer {self.optimizer} has one implementation: implementation='single'")
+        if self.in_backward and self.micro_batches > 1:
+            raise ValueError("in_backward cannot accumulate micro-batches: it steps at every backward")
         one_of("autocast", self.autocast, AUTOCAST_CHOICES)
         if cfg.n_layer > MAX_LAYERS:
             raise ValueError(
@@ -298,19 +307,33 @@ DRY_RUNS_KEPT = 32
 
 
 @functools.lru_cache(maxsize=DRY_RUNS_KEPT)
-def _dry_run(fields: tuple, batch_size: int, optimizer: str, implementation: str, autocast: str | None):
+def _dry_run(
+    fields: tuple, batch_size: int, optimizer: str, implementation: str, autocast: str | None, in_backward: bool
+):
     foreach, fused = IMPLEMENTATION_FLAGS[implementation]
-    cfg = ModelConfig(*fields)
     trace = dry_run_config(
-        cfg, optimizer=optimizer, foreach=foreach, fused=fused, batch_size=batch_size, autocast=autocast
+        ModelConfig(*fields),
+        optimizer=optimizer,
+        foreach=foreach,
+        fused=fused,
+        batch_size=batch_size,
+        autocast=autocast,
+        in_backward=in_backward,
     )
     return trace, replay(trace.allocation_record())
 
 
-def dry_run_and_replay(cfg: ModelConfig, batch_size: int, optimizer: str, implementation: str, autocast: str | None):
+def dry_run_and_replay(
+    cfg: ModelConfig,
+    batch_size: int,
+    optimizer: str,
+    implementation: str,
+    autocast: str | None,
+    in_backward: bool = False,
+):
     """(the Trace of ``dry_run_config``, its uncapped allocator replay) for two steps of ``cfg``: the last
     :data:`DRY_RUNS_KEPT` are kept and given again (read them, do not change them)."""
-    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast)
+    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward)
 
 
 def gradient_bytes(cfg: ModelConfig) -> int:
@@ -346,7 +369,7 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     """
     cfg, autocast, micro_batches = request.cfg, request.autocast, request.micro_batches
     b = request.batch_size // micro_batches
-    trace, rep = dry_run_and_replay(cfg, b, request.optimizer, request.implementation, autocast)
+    trace, rep = dry_run_and_replay(cfg, b, request.optimizer, request.implementation, autocast, request.in_backward)
     grads = gradient_bytes(cfg) if micro_batches > 1 else 0
     inputs = 2 * 8 * cfg.seq_len * (request.batch_size - b)  # x and y (int64) of the rest of the global batch
     label = request.label()

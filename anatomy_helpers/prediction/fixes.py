@@ -104,6 +104,8 @@ def cheapest_fix(cfg: ModelConfig | None = None, batch_size: int = 8, **options)
       "selective", "full";
     * **The fused optimizer** (time only: no temporaries, the same maths) and **SGD with momentum** (half of
       Adam's state: another optimizer);
+    * **Lesson 10's levers**: the optimizer step fused into backward (time only), the chunked loss (time only,
+      its recomputed head matmul counted), bf16 optimizer state (numerics), see :func:`_add_lesson10_levers`;
     * **Mixed precision** (numerics): bf16 autocast where the device has native bf16 (compute capability 8.0 and
       up); on a T4 (7.5) fp16 autocast with a GradScaler instead, as ``torch.cuda.is_bf16_supported`` draws the
       line. The fp32 parameters stay the master weights. Pure 16-bit parameters with a separate fp32 master copy
@@ -134,7 +136,7 @@ def cheapest_fix(cfg: ModelConfig | None = None, batch_size: int = 8, **options)
     # Micro-batches and smaller batches: FLOPs per sequence do not change (every FLOP formula is linear in the
     # batch), so they are not counted again.
     k, tried = 2 * m, []
-    while k <= batch_size and not any(f.fits for f in fixes):  # the fewest micro-batches that fit
+    while k <= batch_size and not request.in_backward and not any(f.fits for f in fixes):  # the fewest that fit
         if batch_size % k == 0:
             tried.append(k)
             note = "accumulated gradients and the whole batch's inputs added (upper bound); same global batch"
@@ -162,9 +164,26 @@ def cheapest_fix(cfg: ModelConfig | None = None, batch_size: int = 8, **options)
     if optimizer in ("adam", "adamw"):
         note = "one state buffer instead of two: another optimizer"
         add("SGD with momentum", "optimizer", note, optimizer="momentum", flops=base_flops)
+    _add_lesson10_levers(add, cfg, request, base_flops)
     if autocast is None and cfg.dtype == "float32":
         add(*_mixed_precision(dev), autocast=dev.mixed_precision, flops=base_flops)
     return sorted(fixes, key=_fix_sort_key)
+
+
+def _add_lesson10_levers(add, cfg: ModelConfig, request: FitRequest, base_flops: int) -> None:
+    """Lesson 10's levers as candidates: the optimizer step in backward (time only: each gradient freed once its
+    parameter is stepped; not with accumulation), the chunked loss (time only: the head's matmul recomputed,
+    counted in its FLOPs) and bf16 optimizer state (numerics: Adam's moments rounded to bf16)."""
+    if not request.in_backward and request.micro_batches == 1:
+        note = "each gradient freed once stepped; no global-norm clipping, no accumulation"
+        add("optimizer step in backward", "time only", note, in_backward=True, flops=base_flops)
+    if cfg.loss_chunk is None:
+        chunk = max(1, cfg.seq_len // 4)
+        note = "LM head + loss per chunk, recomputed in backward: one chunk's logits alive"
+        add(f"chunked loss ({chunk} tokens)", "time only", note, new_cfg=replace(cfg, loss_chunk=chunk))
+    if request.optimizer in ("adam", "adamw"):
+        note = "Adam's moments stored in bf16 (4 instead of 8 B/param); loop implementation"
+        add("bf16 optimizer state", "numerics", note, optimizer="adamw_bf16", implementation="single", flops=base_flops)
 
 
 def _mixed_precision(dev: Device) -> tuple[str, str, str]:

@@ -188,6 +188,10 @@ def build_model(
                 "AutoModelForCausalLM has no class for it"
             ) from None
         raise
+    if getattr(model, "loss_type", None) is None:
+        # transformers picks the loss from the class name; GPT2LMHeadModel's names none, so every forward would
+        # fall back to ForCausalLM and log that it did (modeling_utils.PreTrainedModel.loss_function): name it
+        model.loss_type = "ForCausalLM"
     return model.train()
 
 

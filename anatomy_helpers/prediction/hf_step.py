@@ -114,11 +114,31 @@ def _freeze(model: nn.Module, prefixes: Sequence[str]) -> None:
             p.requires_grad_(False)
 
 
-def _lora(model: nn.Module, ft: FineTune) -> nn.Module:
+def _not_the_bnb_kernel_note(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+def _import_peft():
+    """``peft``, or an ImportError saying how to install it. peft imports bitsandbytes where it is installed,
+    which on a CPU with AVX-512 BF16 logs that its optional 4-bit kernel package (``kernels``) is missing, through
+    a logger with no handler, so to stderr; and imports torch.utils.mkldnn, whose ``torch.jit.script_method``
+    warns that it is deprecated. Those messages alone are dropped while peft is imported (LoRA here quantizes
+    nothing); every other message of that logger, and every other warning, passes."""
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    log.addFilter(_not_the_bnb_kernel_note)
     try:
-        import peft
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+            import peft
     except ImportError as e:
         raise ImportError('LoRA needs peft: pip install "anatomy_helpers[hf]"') from e
+    finally:
+        log.removeFilter(_not_the_bnb_kernel_note)
+    return peft
+
+
+def _lora(model: nn.Module, ft: FineTune) -> nn.Module:
+    peft = _import_peft()
     targets = ft.lora_targets if isinstance(ft.lora_targets, str) else list(ft.lora_targets)
     # GPT-2's layers are Conv1D (weights stored transposed): peft needs to know, and warns if it has to guess
     conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
@@ -126,7 +146,13 @@ def _lora(model: nn.Module, ft: FineTune) -> nn.Module:
         r=ft.lora_rank, lora_alpha=ft.lora_alpha, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=conv1d
     )
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # Mixture of experts (transformers 5.x fuses w1 and w3 into gate_up_proj): peft maps the targets onto
+            # the fused parameters itself and gives gate_up_proj twice the rank through rank_pattern/alpha_pattern,
+            # which it does apply (tests/test_hf.py checks the adapter's rank), then warns that the patterns
+            # matched no *module*. No other rank or alpha pattern is ever passed, so the warning is only that one.
+            warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as e:  # peft's own message names the targets it did not find
         raise ValueError(f"LoRA target modules {ft.lora_targets!r}: {e}") from None
 

@@ -12,6 +12,7 @@ A recording's life: :meth:`Recorder.begin` (everything reset), the storages aliv
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from functools import partial
@@ -115,6 +116,7 @@ class Recorder:
         self._live: dict[int, int] = {}  # storage address (_cdata) of each live storage -> its allocation id
         self._refs: dict[int, weakref.ref] = {}  # allocation id -> the weak reference whose callback reports the free
         self._live_bytes = 0  # bytes of every live allocation together
+        self._held_frees: list[tuple[int, int]] | None = None  # inside frees_in_allocation_order: (id, address)
         self._grad_param: dict[int, str] = {}  # allocation id of a gradient -> the name of its parameter
         # -- what happened, in order
         self._events: list[Event] = []  # one per allocation, free or resize (the baseline's come first)
@@ -292,6 +294,29 @@ class Recorder:
     def _on_free(self, alloc_id: int, cdata: int, _ref) -> None:
         if not self._active or self._refs.pop(alloc_id, None) is None:
             return
+        if self._held_frees is not None:
+            self._held_frees.append((alloc_id, cdata))
+            return
+        self._free(alloc_id, cdata)
+
+    @contextlib.contextmanager
+    def frees_in_allocation_order(self):
+        """Frees reported inside the block are recorded when it ends, the oldest allocation first.
+
+        For frees that happen at one moment (no op runs between them) in an order that depends on addresses:
+        leaving ``torch.autocast`` drops its cache of weight casts, a hash map keyed by the source tensor's
+        address (``cached_casts`` in aten/src/ATen/autocast_mode.cpp), so the casts no backward holds (a
+        linear layer's bias) die in hash order, which differs from run to run and between real and fake tensors.
+        """
+        self._held_frees = []
+        try:
+            yield
+        finally:
+            held, self._held_frees = self._held_frees, None
+            for alloc_id, cdata in sorted(held):
+                self._free(alloc_id, cdata)
+
+    def _free(self, alloc_id: int, cdata: int) -> None:
         if self._live.get(cdata) == alloc_id:
             del self._live[cdata]
         self._record(alloc_id, -self._alloc_bytes[alloc_id], self._module)

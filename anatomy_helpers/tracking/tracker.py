@@ -7,7 +7,8 @@ How it sees memory (all of it public torch machinery, removed again on exit):
 * ``saved_tensors_hooks`` see what autograd saves for backward (activations);
 * ``register_post_accumulate_grad_hook`` sees each parameter's gradient land;
 * optimizer step hooks (and a wrapped ``zero_grad``) mark the optimizer phase;
-  its state is read from ``optimizer.state`` after every step;
+  its state is read from ``optimizer.state`` after every step (a step fused into
+  backward, ``step.OptimizerInBackward``, is an optimizer phase inside backward);
 * module forward hooks say which module is running; in backward, the module is
   the one that saved the tensor autograd has just unpacked. An op that runs with
   grad mode on *inside* backward is activation checkpointing recomputing forward
@@ -211,6 +212,16 @@ class StepTracker(Recorder):
             )  # what a checkpointing policy keeps outside autograd's saved tensors is an activation
             self._register_existing()
             self.close_baseline()
+            clear_cache = torch.clear_autocast_cache  # called by torch.autocast's __exit__ (amp/autocast_mode.py)
+
+            def clear_in_order():  # see Recorder.frees_in_allocation_order
+                with self.frees_in_allocation_order():
+                    clear_cache()
+
+            self._install(
+                lambda: setattr(torch, "clear_autocast_cache", clear_in_order),
+                lambda: setattr(torch, "clear_autocast_cache", clear_cache),
+            )
             self._install_hooks()
             mode = _TimedOpWatcher(self) if self.kernel_scratch else _OpWatcher(self)
             self._install(mode.__enter__, lambda: mode.__exit__(None, None, None))
@@ -383,6 +394,9 @@ class StepTracker(Recorder):
         def opt_post(opt, args, kwargs):
             self._interrupt.check()
             self._mark_optimizer_state()
+            if _graph_task_id() != -1:  # a step fused into backward (step.OptimizerInBackward): backward goes on
+                self._set_phase(BACKWARD)
+                self._module = root_code
 
         hook(self.optimizer.register_step_pre_hook(opt_pre))
         hook(self.optimizer.register_step_post_hook(opt_post))
@@ -426,7 +440,8 @@ class StepTracker(Recorder):
         return kind
 
     def _after_op(self, out, kind: int) -> None:
-        if self._phase != BACKWARD and _graph_task_id() != -1:
+        # inside backward, every op is backward's, but an optimizer step fused into it (its step hooks say when)
+        if self._phase != BACKWARD and self._phase != OPTIMIZER and _graph_task_id() != -1:
             self._set_phase(BACKWARD)
             self._module = self._code(ROOT)
         if kind == VIEWS or kind == IN_PLACE:  # nothing allocated, nothing resized

@@ -1,0 +1,217 @@
+"""Notebook 10: shrink the phase that runs out. Two steps whose peak lands in a known phase (the optimizer's, the
+backward's), the category that dominates it, and the levers that act on that category, each measured by a real
+tracked run (the levers themselves: ``step.OptimizerInBackward``, ``model.chunked_cross_entropy``,
+``train.AdamWBF16State``, ``train.adamw_8bit``; the decision: ``prediction/levers.py``). Bytes unless a name says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from ..data import get_batch
+from ..prediction.fixes import EFFECTS
+from ..prediction.levers import Lever, levers
+from ..step import step_flops
+from ..tables import Col, format_table
+from ..tracking.trace import Trace
+from ..train import make_model, make_optimizer, track_steps
+from ..units import pick_unit
+
+#: A step whose optimizer phase runs out: many parameters, one short sequence (Adam's state dominates its peak).
+OPTIMIZER_BOUND = dict(n_layer=2, d_model=128, n_head=2, seq_len=8)
+OPTIMIZER_BATCH = 1
+#: A step whose backward runs out: a large vocabulary (its fp32 logits and their gradient dominate).
+LOGITS_BOUND = dict(n_layer=1, d_model=32, n_head=2, seq_len=64, vocab_size=4096)
+LOGITS_BATCH = 4
+
+BASELINE = Lever("baseline (AdamW)", (), "time only", "the step as it is")
+#: Levers the notebook measures beside prediction/levers.py's: one that costs memory, and a library's 8-bit state.
+KEEP_GRADIENTS = Lever(
+    "zero_grad(set_to_none=False)",
+    ("gradients",),
+    "time only",
+    "gradients zeroed, not freed: alive between steps",
+    step={"set_to_none": False},
+)
+EIGHT_BIT = Lever(
+    "8-bit state (bitsandbytes)",
+    ("optimizer_state",),
+    "numerics",
+    "bitsandbytes' AdamW8bit: uint8 moments + a float32 scale per 256",
+    step={"optimizer": "adamw8bit"},
+)
+_OPTIMIZER_ARGS = ("optimizer", "fused", "in_backward")  # a lever's options that make the optimizer
+
+
+def has_bitsandbytes() -> bool:
+    """Whether the optional 8-bit optimizer (bitsandbytes, the ``[levers]`` extra) is installed here."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def lever_named(name: str, cfg: dict) -> Lever:
+    """The lever of prediction/levers.py (for ``cfg``) whose name starts with ``name``, or one of this lesson's."""
+    for lever in [*levers(_config(cfg)), BASELINE, KEEP_GRADIENTS, EIGHT_BIT]:
+        if lever.name.startswith(name):
+            return lever
+    raise ValueError(f"no lever named {name!r}")
+
+
+def _config(cfg: dict):
+    from ..model import ModelConfig
+
+    return ModelConfig(**cfg)
+
+
+def run_lever(
+    cfg: dict, batch_size: int, lever: Lever, steps: int = 2, device=None
+) -> tuple[Trace, torch.optim.Optimizer]:
+    """``steps`` tracked AdamW steps of ``cfg`` with ``lever`` applied: (the trace, the optimizer)."""
+    model = make_model(device=device, **cfg, **lever.config)
+    opt_kw = {k: v for k, v in lever.step.items() if k in _OPTIMIZER_ARGS}
+    optimizer = make_optimizer(model, opt_kw.pop("optimizer", "adamw"), **opt_kw)
+    plan = {k: v for k, v in lever.step.items() if k not in _OPTIMIZER_ARGS}
+    return track_steps(model, optimizer, steps, batch_size, **plan), optimizer
+
+
+@dataclass(frozen=True)
+class LeverRow:
+    """One lever's measured step (bytes at the peak of the whole run)."""
+
+    name: str
+    peak: int
+    phase: str  # where the peak is now
+    dominant: str  # the category holding the most bytes there
+    state_per_param: float  # optimizer-state bytes per parameter after the run
+    gradients_at_peak: int
+    extra_flops: float  # forward + backward FLOPs relative to the baseline's, minus 1 (FlopCounterMode)
+    changes_training: bool  # numerics or dynamics: EFFECTS other than "time only"
+
+
+def measure_levers(
+    cfg: dict, batch_size: int, names: list[str], device=None
+) -> tuple[list[LeverRow], dict[str, Trace]]:
+    """Each named lever (``lever_named``) run for real on ``cfg``: its row and its trace, the baseline first."""
+    x, y = get_batch(batch_size, cfg["seq_len"], step=0)
+    base_flops = step_flops(make_model(device="cpu", **cfg), x, y)
+    rows, traces = [], {}
+    for name in names:
+        lever = lever_named(name, cfg)
+        trace, optimizer = run_lever(cfg, batch_size, lever, device=device)
+        pk = trace.peak()
+        n = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+        flops = step_flops(make_model(device="cpu", **cfg, **lever.config), x, y)
+        rows.append(
+            LeverRow(
+                name=lever.name,
+                peak=pk.bytes,
+                phase=pk.phase,
+                dominant=max(pk.breakdown, key=pk.breakdown.get),
+                state_per_param=trace.at(len(trace.timeline) - 1)["optimizer_state"] / n,
+                gradients_at_peak=pk.breakdown["gradients"],
+                extra_flops=flops / base_flops - 1,
+                changes_training=EFFECTS.index(lever.effect) > 0,
+            )
+        )
+        traces[lever.name] = trace
+    return rows, traces
+
+
+def format_levers(rows: list[LeverRow]) -> str:
+    """The measured levers, one row each: the peak, where it is now, state bytes per parameter, FLOPs, numerics."""
+    unit, scale = pick_unit(max(r.peak for r in rows))
+    cols = [
+        Col("lever", 30, align="<"),
+        Col("peak", 8, ".2f"),
+        Col("vs base", 8, "+.0%"),
+        Col("peak in", 10, align="<", gap="  "),
+        Col("dominant", 16, align="<", gap="  "),
+        Col("state B/param", 13, ".2f"),
+        Col("extra FLOPs", 11, "+.0%"),
+        Col("changes training", 16, align="<", gap="  "),
+    ]
+    base = rows[0].peak
+    table = [
+        (
+            r.name,
+            r.peak / scale,
+            r.peak / base - 1,
+            r.phase,
+            r.dominant,
+            r.state_per_param,
+            r.extra_flops,
+            "yes" if r.changes_training else "no",
+        )
+        for r in rows
+    ]
+    return format_table(cols, table, note=f"({unit} at each run's peak; FLOPs of forward + backward, FlopCounterMode)")
+
+
+def format_verified(category: str, verified) -> str:
+    """prediction/levers.py's ranking of the levers on ``category``, verified by dry runs."""
+    unit, scale = pick_unit(max(v.before.bytes for v in verified))
+    cols = [
+        Col("rank", 4),
+        Col("lever", 30, align="<", gap="  "),
+        Col("peak after", 10, ".2f"),
+        Col("saved", 8, ".2f"),
+        Col("peak in", 10, align="<", gap="  "),
+        Col("extra FLOPs", 11, "+.0%"),
+        Col("changes", 10, align="<", gap="  "),
+    ]
+    table = [
+        (i, v.lever.name, v.after.bytes / scale, v.saved / scale, v.after.phase, v.extra_flops, v.lever.effect)
+        for i, v in enumerate(verified, 1)
+    ]
+    return format_table(cols, table, note=f"(levers acting on {category}; {unit}; dry runs)")
+
+
+def loss_gap(cfg: dict, names: tuple[str, ...], steps: int = 30, batch_size: int = 8) -> dict[str, list[float]]:
+    """The loss of ``steps`` untracked steps of ``cfg`` with each optimizer ``name`` (same seed, same batches)."""
+    from ..step import StepPlan, run_step
+
+    out = {}
+    for name in names:
+        model = make_model(device="cpu", **cfg)
+        optimizer = make_optimizer(model, name)
+        out[name] = [run_step(model, optimizer, StepPlan(batch_size=batch_size), i) for i in range(steps)]
+    return out
+
+
+def compile_memory(cfg: dict, batch_size: int, device=None) -> dict[str, int]:
+    """The peak of torch.profiler's memory timeline (bytes) over two profiled training steps, eager and under
+    ``torch.compile`` (inductor), the same model, batch and optimizer: the tracker cannot see inside a compiled graph
+    (its dispatch mode makes Dynamo skip every frame), the profiler's allocator events can. Compiling takes minutes
+    on a CPU; the notebook runs it only when asked."""
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..step import StepPlan, run_step
+    from ..tracking.profiler import load_memory_timeline, quiet_profiler
+
+    peaks = {}
+    for name in ("eager", "compiled"):
+        model = make_model(device=device, **cfg)
+        optimizer = make_optimizer(model, "adamw")
+        runner = torch.compile(model) if name == "compiled" else model
+        plan = StepPlan(batch_size, read_loss=False)
+        run_step(runner, optimizer, plan, 0)  # compiled (or warmed up) outside the profile
+        on = next(model.parameters()).device
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on.type == "cuda" else [])
+        with (
+            quiet_profiler(),
+            profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof,
+        ):
+            for i in range(1, 3):
+                run_step(runner, optimizer, plan, i)
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            where = "cpu" if on.type == "cpu" else f"cuda:{on.index or 0}"
+            prof.export_memory_timeline(f"{tmp}/timeline.json", device=where)
+            peaks[name] = int(load_memory_timeline(f"{tmp}/timeline.json").total.max())
+    return peaks

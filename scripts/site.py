@@ -1,0 +1,267 @@
+"""The course site: every lesson readable in a browser with its figures, built from the executed notebooks.
+
+    python scripts/site.py build [--out _site]   # stage the pages, then Sphinx + MyST-NB into _site/
+    python scripts/site.py check [--out _site]   # every internal link, anchor and image of the built pages resolves
+
+The notebooks are **not re-executed**: the site shows the outputs committed in ``notebooks/``, the ones nbval
+compares in CI. Staging (``_build/site-src/``) copies each lesson with what a reader should not see taken out:
+the ``# NBVAL_...`` marker lines, stderr, progress bars; a slider panel's live widget (it needs a kernel) becomes
+a line saying where it runs live (the figure of its default state is the cell above it, CONTRIBUTING's rule for
+panels); under the title go buttons that open the lesson's learner copy in Colab or Binder. Links between the
+docs and the notebooks are rewritten to the pages they become; a link to any other file of the repository goes to
+it on GitHub. ``site/conf.py`` and ``site/index.md`` are the Sphinx configuration and the landing page; the lesson
+list is filled in from ``notebooks/`` and README's table. The answer key is built but left out of the navigation:
+only the instructor guide links to it.
+
+Needs ``sphinx``, ``myst-nb`` and ``sphinx-book-theme`` (``site/requirements.txt``; pure Python from PyPI, no
+node, no browser download); not torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import html.parser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from course_links import course_config  # noqa: E402
+
+SITE = ROOT / "site"
+STAGE = ROOT / "_build" / "site-src"
+DOCS = ("references.md", "instructor_guide.md", "answer_key.md")  # docs/ pages, staged at the top level
+LESSONS = "lessons"  # the staged folder of the lesson pages
+LINK = re.compile(r"(\]\()([^)\s]+)(\))")  # a markdown link's target
+PANEL_NOTE = (
+    "*The live panel runs in a kernel: open this lesson in Colab or Binder (buttons at the top), or locally with "
+    "`bash scripts/lab.sh`, and move its controls. The figure above is its default state.*"
+)
+
+
+def lesson_notebooks() -> list[Path]:
+    """The executed lessons, in order: notebooks/NN_topic.ipynb."""
+    return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def readme_blurbs() -> dict[str, str]:
+    """{notebook file name: README's one-line description}, from the table of notebooks."""
+    table_row = r"^\| \d\d \| \[[^\]]+\]\(notebooks/([^)]+\.ipynb)\):? ?([^|]*)\|"
+    rows = re.findall(table_row, (ROOT / "README.md").read_text(encoding="utf-8"), re.M)
+    return {name: blurb.strip() for name, blurb in rows}
+
+
+def launch_links(name: str) -> tuple[str, str]:
+    """(Colab URL, Binder URL) of the learner copy of notebook ``name``, from pyproject's [tool.course]."""
+    slug, ref = course_config()
+    return (
+        f"https://colab.research.google.com/github/{slug}/blob/{ref}/learner/{name}",
+        f"https://mybinder.org/v2/gh/{slug}/{ref}?urlpath=lab/tree/learner/{name}",
+    )
+
+
+def page_of(repo_path: str) -> str | None:
+    """The staged page a repository file becomes (relative to the site's root), or None if it is not a page."""
+    folder, _, name = repo_path.rpartition("/")
+    if folder in ("notebooks", "learner") and re.match(r"\d\d_.*\.ipynb$", name):
+        return f"{LESSONS}/{name}"
+    if folder == "docs" and name in DOCS:
+        return name
+    return None
+
+
+def rewrite_links(text: str, source: str, page: str) -> str:
+    """Markdown ``text`` of the repository file ``source``, staged as ``page``: each relative link points at the
+    page its target becomes, or at the file on GitHub."""
+    slug, ref = course_config()
+
+    def fix(m: re.Match) -> str:
+        target = m.group(2)
+        parts = urlsplit(target)
+        if parts.scheme or target.startswith("#"):
+            return m.group(0)
+        path = os.path.normpath(os.path.join(os.path.dirname(source), unquote(parts.path))).replace(os.sep, "/")
+        anchor = f"#{parts.fragment}" if parts.fragment else ""
+        staged = page_of(path)
+        if staged is None:
+            kind = "tree" if (ROOT / path).is_dir() else "blob"
+            return f"{m.group(1)}https://github.com/{slug}/{kind}/{ref}/{path}{anchor}{m.group(3)}"
+        return f"{m.group(1)}{os.path.relpath(staged, os.path.dirname(page) or '.')}{anchor}{m.group(3)}"
+
+    return LINK.sub(fix, text)
+
+
+def _is_widget(output: dict) -> bool:
+    return "application/vnd.jupyter.widget-view+json" in output.get("data", {})
+
+
+def clean_notebook(nb: dict, name: str) -> dict:
+    """What a reader sees of the executed lesson ``name`` (see the module docstring); ``nb`` is left unchanged."""
+    nb = copy.deepcopy(nb)
+    nb["metadata"].pop("widgets", None)
+    page = f"{LESSONS}/{name}"
+    for cell in nb["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            cell["source"] = rewrite_links(source, f"notebooks/{name}", page)
+            continue
+        if cell["cell_type"] != "code":
+            continue
+        cell["source"] = "\n".join(line for line in source.split("\n") if not line.startswith("# NBVAL_"))
+        outputs = []
+        for out in cell.get("outputs", []):
+            if out["output_type"] == "stream" and out["name"] == "stderr":
+                continue
+            if _is_widget(out):
+                if "slider_panel(" in source:  # the live panel; a progress bar is simply dropped
+                    note = {"text/markdown": PANEL_NOTE}
+                    outputs.append({"output_type": "display_data", "metadata": {}, "data": note})
+                continue
+            outputs.append(out)
+        cell["outputs"] = outputs
+    colab, binder = launch_links(name)
+    buttons = {
+        "cell_type": "markdown",
+        "metadata": {},
+        "source": f"**Run it yourself:** [Open in Colab]({colab}) · [Launch Binder]({binder}) · or locally, "
+        "`bash scripts/lab.sh` in a clone of the repository.",
+    }
+    nb["cells"].insert(1, buttons)
+    for i, cell in enumerate(nb["cells"]):
+        cell.setdefault("id", f"cell-{i}")  # nbformat 4.5 wants an id on every cell
+    return nb
+
+
+def title_of(nb: dict) -> str:
+    """The lesson's title: its first markdown heading."""
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            m = re.search(r"^#\s+(.+)$", "".join(cell["source"]), re.M)
+            if m:
+                return m.group(1).strip()
+    raise ValueError("a lesson notebook needs a '# title' in a markdown cell")
+
+
+def stage(dest: Path = STAGE) -> Path:
+    """Write the site's sources into ``dest`` (emptied first) and return it."""
+    shutil.rmtree(dest, ignore_errors=True)
+    (dest / LESSONS).mkdir(parents=True)
+    shutil.copy(SITE / "conf.py", dest / "conf.py")
+    blurbs, items, toc = readme_blurbs(), [], []
+    for path in lesson_notebooks():
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        (dest / LESSONS / path.name).write_text(json.dumps(clean_notebook(nb, path.name), indent=1), encoding="utf-8")
+        blurb = blurbs.get(path.name, "")
+        items.append(f"- [{title_of(nb)}]({LESSONS}/{path.name})" + (f": {blurb}" if blurb else ""))
+        toc.append(f"{LESSONS}/{path.stem}")
+    for name in DOCS:
+        text = rewrite_links((ROOT / "docs" / name).read_text(encoding="utf-8"), f"docs/{name}", name)
+        if name == "answer_key.md":
+            text = "---\norphan: true\n---\n\n" + text  # built, but in no navigation: the guide links to it
+        (dest / name).write_text(text, encoding="utf-8")
+    slug, ref = course_config()
+    index = (SITE / "index.md").read_text(encoding="utf-8")
+    index = index.replace("{lesson_list}", "\n".join(items)).replace("{lesson_toc}", "\n".join(toc))
+    index = index.replace("{repo_link}", f"[the repository](https://github.com/{slug}/tree/{ref})")
+    (dest / "index.md").write_text(index, encoding="utf-8")
+    return dest
+
+
+def build(out: Path, staging: Path = STAGE) -> float:
+    """Stage the pages into ``staging`` and build the site into ``out``; Sphinx warnings are errors. Returns the
+    wall time in seconds."""
+    t0 = time.perf_counter()
+    src = stage(staging)
+    html = src / "_build" / "html"  # then moved to ``out``: MyST-NB writes its images beside Sphinx's output folder
+    doctrees = src / "_build" / "doctrees"
+    cmd = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-b",
+        "html",
+        "-q",
+        "-W",
+        "--keep-going",
+        "-d",
+        str(doctrees),
+        str(src),
+        str(html),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"sphinx-build failed (exit {done.returncode}); its messages are above")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(html, out)
+    (out / ".nojekyll").touch()  # GitHub Pages: serve _static/ and _images/ as they are
+    return time.perf_counter() - t0
+
+
+class _Refs(html.parser.HTMLParser):
+    """The ids and the local href/src targets of one HTML page."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids: set[str] = set()
+        self.refs: list[tuple[str, str]] = []  # (attribute, value)
+
+    def handle_starttag(self, tag, attrs):
+        for key, value in attrs:
+            if key in ("id", "name") and value:
+                self.ids.add(value)
+            if key in ("href", "src") and value and not (tag == "link" and key == "href" and "preload" in str(attrs)):
+                self.refs.append((key, value))
+
+
+def check(out: Path) -> list[str]:
+    """Every internal link, anchor and image of the built pages under ``out`` that does not resolve (external
+    links are not followed). An empty list means the site is whole."""
+    pages = {p: _Refs() for p in out.rglob("*.html") if "_static" not in p.relative_to(out).parts}  # theme templates
+    for path, refs in pages.items():
+        refs.feed(path.read_text(encoding="utf-8"))
+    problems = []
+    for path, refs in pages.items():
+        for attr, value in refs.refs:
+            parts = urlsplit(value)
+            if parts.scheme or value.startswith(("//", "mailto:", "javascript:")):
+                continue
+            target = path if not parts.path else (path.parent / unquote(parts.path)).resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            where = f"{path.relative_to(out)}: {attr}={value!r}"
+            if not target.exists():
+                problems.append(f"{where} -> missing {target}")
+            elif parts.fragment and target in pages and parts.fragment not in pages[target].ids:
+                problems.append(f"{where} -> no id {parts.fragment!r} on that page")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["build", "check"])
+    parser.add_argument("--out", type=Path, default=ROOT / "_site", help="the built site's folder (default: _site)")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    if args.command == "build":
+        seconds = build(out)
+        print(f"built {len(list(out.rglob('*.html')))} pages into {out} in {seconds:.0f} s")
+    problems = check(out)
+    for p in problems:
+        print(p)
+    print(
+        f"{len(problems)} broken internal link(s) or image(s)" if problems else "every internal link and image resolves"
+    )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

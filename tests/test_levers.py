@@ -1,0 +1,303 @@
+"""Lesson 10's levers, each through the one training step (step.run_step): the optimizer step fused into backward,
+the chunked cross-entropy, bf16 optimizer state, zero_grad to zeros. Expected bytes come from tensor sizes."""
+
+import pytest
+import torch
+
+from anatomy_helpers import get_batch, make_model, make_optimizer, track_steps
+from anatomy_helpers.model import GPT, ModelConfig, chunked_cross_entropy
+from anatomy_helpers.prediction.dryrun import DryRunError, dry_run_config
+from anatomy_helpers.prediction.fixes import EFFECTS
+from anatomy_helpers.prediction.levers import levers, verify_levers
+from anatomy_helpers.step import OptimizerInBackward, StepPlan, run_step, step_flops
+from anatomy_helpers.tensors import state_bytes_by_key
+from anatomy_helpers.tracking.tracker import StepTracker
+
+from .conftest import SMALL, storage_bytes
+
+
+def grad_bytes(model) -> int:
+    """Bytes of every gradient the model's parameters get: one per parameter tensor, its size and dtype."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def trained(steps: int = 2, optimizer: str = "adamw", model_kw=None, **step):
+    model = make_model(device="cpu", **{**SMALL, **(model_kw or {})})
+    opt = make_optimizer(model, optimizer, in_backward=step.pop("in_backward", False))
+    trace = track_steps(model, opt, steps, 4, **step)
+    return model, opt, trace
+
+
+# ---- the optimizer step fused into backward -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "momentum"])
+def test_in_backward_trains_the_same_parameters_as_the_plain_step(optimizer):
+    plain, _, _ = trained(3, optimizer)
+    fused, _, _ = trained(3, optimizer, in_backward=True)
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_in_backward_never_holds_every_gradient_at_once():
+    plain_model, _, plain = trained(2)
+    model, opt, fused = trained(2, in_backward=True)
+    every = grad_bytes(model)
+    # the plain step: every gradient alive when the optimizer starts
+    assert plain.at(plain.phase(2, "optimizer").start - 1)["gradients"] == every
+    most = int(fused.timeline.category("gradients").max())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())  # the tied embedding's
+    assert largest <= most < every
+    assert fused.at(len(fused.timeline) - 1)["gradients"] == 0  # each freed once stepped
+    assert all(p.grad is None for p in model.parameters())
+    # the state is the same as the plain optimizer's, counted as optimizer state
+    assert fused.at(len(fused.timeline) - 1)["optimizer_state"] == plain.at(len(plain.timeline) - 1)["optimizer_state"]
+    assert fused.peak(phase="optimizer").bytes > 0  # the tracker sees optimizer phases, inside backward
+    assert fused.peak().bytes < plain.peak().bytes
+
+
+def test_in_backward_leaves_no_hook_behind_even_when_backward_fails():
+    model = make_model(device="cpu", **SMALL)
+    opt = make_optimizer(model, "sgd", in_backward=True)
+
+    def failing_loss(model, batch):
+        loss = model(*batch)[1]
+        return loss.register_hook(lambda g: 1 / 0) and loss  # a hook on the loss fails inside backward
+
+    with pytest.raises(ZeroDivisionError):
+        run_step(model, opt, StepPlan(batch_size=2, loss=failing_loss), 0)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "plan, what",
+    [
+        (dict(clip_grad_norm=1.0), "clip_grad_norm: clipping by the norm over all parameters"),
+        (dict(micro_batches=2), "micro_batches: accumulating"),
+        (dict(world_size=2), "world_size: data parallelism"),
+        (dict(optimizer_step=False), "optimizer_step"),
+    ],
+)
+def test_in_backward_refuses_what_it_cannot_do_before_running(plan, what):
+    model = make_model(device="cpu", **SMALL)
+    opt = make_optimizer(model, "adamw", in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=what):
+        run_step(model, opt, StepPlan(batch_size=4, **plan), 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing ran
+
+
+def test_in_backward_cannot_be_stepped_by_hand():
+    model = make_model(device="cpu", **SMALL)
+    opt = make_optimizer(model, "adamw", in_backward=True)
+    with pytest.raises(ValueError, match="inside loss.backward"):
+        opt.step()
+    with pytest.raises(ValueError, match="at least one parameter"):
+        OptimizerInBackward([torch.zeros(2)], lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def test_clip_grad_norm_clips_over_all_parameters_like_torch():
+    model = make_model(device="cpu", **SMALL)
+    ref = make_model(device="cpu", **SMALL)
+    opt, ref_opt = make_optimizer(model, "sgd"), make_optimizer(ref, "sgd")
+    run_step(model, opt, StepPlan(batch_size=4, clip_grad_norm=0.01), 0)
+    x, y = get_batch(4, SMALL["seq_len"], step=0)
+    ref(x, y)[1].backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert norm > 0.01  # the clip bites
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        StepPlan(clip_grad_norm=0)
+
+
+# ---- the chunked cross-entropy ------------------------------------------------------------------------------
+
+
+def test_chunked_cross_entropy_gives_the_plain_loss_and_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(3, 10, 16, requires_grad=True)
+    w = torch.randn(70, 16, requires_grad=True)
+    t = torch.randint(0, 70, (3, 10))
+    plain = torch.nn.functional.cross_entropy((x @ w.T).view(30, 70), t.view(30))
+    gx, gw = torch.autograd.grad(plain, (x, w))
+    for chunk in (1, 7, 30, 64):  # one token, uneven chunks, exactly all, more than all
+        loss = chunked_cross_entropy(x, w, t, chunk)
+        torch.testing.assert_close(loss, plain)
+        cx, cw = torch.autograd.grad(loss, (x, w))
+        torch.testing.assert_close(cx, gx)
+        torch.testing.assert_close(cw, gw)
+
+
+def test_loss_chunk_trains_the_same_parameters_and_never_holds_the_logits():
+    big = dict(vocab_size=2048, seq_len=64)
+    plain_model, _, plain = trained(2, "sgd", big)
+    model, _, chunked = trained(2, "sgd", {**big, "loss_chunk": 32})
+    for a, b in zip(plain_model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b)
+    tokens, vocab = 4 * big["seq_len"], big["vocab_size"]
+    # plain: the (B*T, V) fp32 logits are one allocation; chunked: none larger than one chunk's logits (32, V) or
+    # the head weight's gradient (V, C), which each chunk's backward makes before it is summed
+    assert plain.largest_allocation("temporaries") == tokens * vocab * 4
+    biggest = max(chunked.largest_allocation(c) for c in ("temporaries", "recomputed", "activations"))
+    assert biggest == max(32 * vocab * 4, vocab * SMALL["d_model"] * 4)
+    assert chunked.largest_allocation("recomputed") == 32 * vocab * 4  # backward remakes one chunk's logits
+    assert chunked.peak().bytes < plain.peak().bytes - (tokens - 32) * vocab * 4
+
+
+def test_loss_chunk_costs_one_more_head_matmul_in_flops():
+    cfg = dict(SMALL, vocab_size=512)
+    x, y = get_batch(2, SMALL["seq_len"], step=0)
+    plain = step_flops(make_model(device="cpu", **cfg), x, y)
+    chunked = step_flops(make_model(device="cpu", **cfg, loss_chunk=16), x, y)
+    tokens = 2 * SMALL["seq_len"]
+    assert chunked - plain == 2 * tokens * SMALL["d_model"] * cfg["vocab_size"]  # the head's forward, recomputed
+
+
+def test_loss_chunk_is_checked_and_keeps_logits_without_targets():
+    with pytest.raises(ValueError, match="loss_chunk"):
+        ModelConfig(loss_chunk=0)
+    model = GPT(ModelConfig(**SMALL, loss_chunk=8))
+    x, y = get_batch(2, SMALL["seq_len"], step=0)
+    assert model(x, y)[0] is None  # trained: no logits are made
+    assert model(x)[0].shape == (2, SMALL["seq_len"], model.cfg.vocab_size)  # generation still gets them
+
+
+# ---- optimizer state: bf16, momentum vs Adam, zero_grad -----------------------------------------------------
+
+
+def test_optimizer_state_bytes_per_parameter_from_tensor_sizes():
+    per_param = {}
+    for name in ("momentum", "adamw", "adamw_bf16"):
+        model, opt, _ = trained(1, name)
+        n = sum(p.numel() for p in model.parameters())
+        state = state_bytes_by_key(opt)
+        per_param[name] = sum(v for k, v in state.items() if k != "step") / n
+    assert per_param == {"momentum": 4.0, "adamw": 8.0, "adamw_bf16": 4.0}
+
+
+def test_bf16_state_trains_like_fp32_adamw_within_a_band():
+    def losses(name):
+        model = make_model(device="cpu", **SMALL)
+        opt = make_optimizer(model, name)  # lr 1e-3
+        return [run_step(model, opt, StepPlan(batch_size=8), i) for i in range(30)]
+
+    fp32, bf16 = losses("adamw"), losses("adamw_bf16")
+    assert bf16[-1] < 0.85 * bf16[0]  # it trains
+    assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) < 0.01  # within 1% of fp32 AdamW at every step
+    assert fp32 != bf16  # and it is not the same optimizer
+
+
+def test_bf16_state_refuses_other_implementations():
+    model = make_model(device="cpu", **SMALL)
+    with pytest.raises(ValueError, match="foreach"):
+        make_optimizer(model, "adamw_bf16", foreach=True)
+
+
+def test_zero_grad_to_zeros_keeps_every_gradient_between_steps():
+    model, _, kept = trained(2, "sgd", set_to_none=False)
+    _, _, freed = trained(2, "sgd")
+    end = len(kept.timeline) - 1
+    assert kept.at(end)["gradients"] == grad_bytes(model)
+    assert freed.at(len(freed.timeline) - 1)["gradients"] == 0
+
+
+# ---- the decision: dominant phase and category, the levers on it, verified and ranked ------------------------
+
+OPTIMIZER_BOUND = dict(n_layer=2, d_model=128, n_head=2, seq_len=8)  # many parameters, one short sequence
+LOGITS_BOUND = dict(n_layer=1, d_model=32, n_head=2, seq_len=64, vocab_size=4096)  # a large vocabulary
+
+
+def real_peak(cfg: dict, batch_size: int, optimizer: str = "adamw", **step) -> int:
+    model = make_model(device="cpu", **cfg)
+    opt_kw = {k: step.pop(k) for k in ("fused", "in_backward") if k in step}
+    opt = make_optimizer(model, step.pop("optimizer", optimizer), **opt_kw)
+    with StepTracker(model, opt, kernel_scratch=False) as tracker:
+        for i in range(2):
+            run_step(model, opt, StepPlan(batch_size=batch_size, **step), i)
+    return tracker.trace.peak().bytes
+
+
+@pytest.mark.parametrize("cfg, batch, phase, category", [
+    (OPTIMIZER_BOUND, 1, "optimizer", "optimizer_state"),
+    (LOGITS_BOUND, 4, "backward", "temporaries"),
+])  # fmt: skip
+def test_verify_levers_names_the_dominant_category_and_real_runs_confirm_each_lever(cfg, batch, phase, category):
+    trace, dominant_category, verified = verify_levers(ModelConfig(**cfg), batch)
+    assert (trace.peak().phase, dominant_category) == (phase, category)
+    assert verified and all(category in v.lever.acts_on for v in verified)
+    assert trace.peak().bytes == real_peak(cfg, batch)
+    for v in verified:  # each lever's dry run is what a real run of it measures
+        assert v.after.bytes == real_peak({**cfg, **v.lever.config}, batch, **v.lever.step), v.lever.name
+    lowering = [v for v in verified if v.saved > 0]
+    assert lowering, "some lever must lower the peak"
+    assert verified[: len(lowering)] == lowering  # what lowers the peak ranks first
+    keys = [(EFFECTS.index(v.lever.effect), round(v.extra_flops, 3)) for v in lowering]
+    assert keys == sorted(keys)  # then what changes least, then the fewest extra FLOPs
+
+
+def test_every_lever_is_listed_without_the_dominant_filter():
+    _, _, some = verify_levers(ModelConfig(**OPTIMIZER_BOUND), 1)
+    _, _, every = verify_levers(ModelConfig(**OPTIMIZER_BOUND), 1, only_dominant=False)
+    assert {v.lever.name for v in some} < {v.lever.name for v in every}
+    assert {v.lever.name for v in every} == {lv.name for lv in levers(ModelConfig(**OPTIMIZER_BOUND))}
+
+
+# ---- bitsandbytes' 8-bit AdamW (optional: the [levers] extra) --------------------------------------------------
+
+
+def eight_bit_state_bytes(model) -> int:
+    """bitsandbytes' AdamW8bit state from its documented layout: a tensor of 4,096 elements or more keeps each moment
+    as one uint8 per element plus a float32 absolute maximum per block of 256; a smaller one keeps float32 moments;
+    the two 256-entry float32 code books (qmap1, qmap2) are shared by all."""
+    total = 2 * 256 * 4
+    for p in model.parameters():
+        n = p.numel()
+        total += 2 * (n + -(-n // 256) * 4) if n >= 4096 else 2 * n * 4
+    return total
+
+
+def test_adamw8bit_state_is_what_its_layout_says_and_trains_like_fp32():
+    pytest.importorskip("bitsandbytes")
+    model, opt, trace = trained(2, "adamw8bit")
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert storage_bytes(state) == eight_bit_state_bytes(model)
+    assert trace.at(len(trace.timeline) - 1)["optimizer_state"] == eight_bit_state_bytes(model)
+
+    def losses(name):
+        model = make_model(device="cpu", **SMALL)
+        opt = make_optimizer(model, name)
+        return [run_step(model, opt, StepPlan(batch_size=8), i) for i in range(30)]
+
+    fp32, q8 = losses("adamw"), losses("adamw8bit")
+    assert q8[-1] < 0.85 * q8[0] and max(abs(a - b) / a for a, b in zip(fp32, q8)) < 0.01 and fp32 != q8
+
+
+def test_a_dry_run_of_adamw8bit_is_refused_it_reads_values():
+    pytest.importorskip("bitsandbytes")
+    with pytest.raises(DryRunError, match="GPT or its optimizer.* reads tensor values"):
+        dry_run_config(ModelConfig(**SMALL), optimizer="adamw8bit", batch_size=2, steps=1)
+
+
+# ---- lesson 10's own helpers ----------------------------------------------------------------------------------
+
+
+def test_the_lesson_measures_each_lever_against_its_baseline():
+    from anatomy_helpers.lessons.optimizations import format_levers, lever_named, measure_levers
+
+    cfg = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, vocab_size=512)
+    rows, traces = measure_levers(cfg, 2, ["baseline", "bf16 optimizer state", "chunked loss", "zero_grad"])
+    base, bf16, chunked, kept = rows
+    assert list(traces) == [r.name for r in rows] and base.name == "baseline (AdamW)"
+    assert bf16.state_per_param == 4.0 and not base.changes_training and bf16.changes_training
+    tokens = 2 * cfg["seq_len"]
+    flops = step_flops(make_model(device="cpu", **cfg), *get_batch(2, cfg["seq_len"], step=0))
+    assert chunked.extra_flops == pytest.approx(2 * tokens * cfg["d_model"] * cfg["vocab_size"] / flops)
+    # (its peak is not lower here: this step is not logits-bound, the lever acts on a category that is not at the peak)
+    assert traces[chunked.name].largest_allocation("temporaries") < traces[base.name].largest_allocation("temporaries")
+    end = traces[kept.name].at(len(traces[kept.name].timeline) - 1)
+    assert end["gradients"] == grad_bytes(make_model(device="cpu", **cfg))  # zeroed, not freed
+    assert "bf16 optimizer state" in format_levers(rows) and "+0%" in format_levers(rows)
+    with pytest.raises(ValueError, match="no lever named"):
+        lever_named("lion", cfg)
