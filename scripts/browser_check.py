@@ -1,19 +1,23 @@
 """The course's widgets in a real JupyterLab, in headless Chromium: what nbval cannot see.
 
-    python scripts/browser_check.py [NN ...] [--artifacts DIR]      # default: every learner notebook with a panel
+    python scripts/browser_check.py [NN ...] [--artifacts DIR] [--all-cells]   # default: every notebook with a panel
 
-For each learner notebook with a slider panel: open it in JupyterLab, run all cells, check that no cell shows an
-error, then move every control of every panel from where the panel opened (a slider one notch, a dropdown to its
-next choice; each control is put back before the next one moves) and check that the panel measured again: after
-each run a panel writes a hidden digest of the data its figure draws and the numbers it computed
-(widgets.figure_digest: lines, bars, areas, not text), and the digest must change. Two settings may legitimately
-draw the same (Adam and AdamW hold the same memory), so a control moves on up to TRIES notches before it counts as
-ignored. A panel that echoes the value in its title or printout but draws the same data fails, naming the panel and
-the control. In a 1280 x 900 window (a laptop's), each panel is also checked for what would be cut off, before and
-after each move: the panel within the window's width, its figure no wider than the output area (JupyterLab would
-shrink it), no control label truncated, and controls with figure no taller than the notebook's visible height.
+For each learner notebook with a slider panel: open it in JupyterLab, run the cells its panels need (the setup cell,
+the panel cells and the cells that bind a name they read, found by :func:`panel_cells`; --all-cells: every cell),
+check that no cell shows an error, then move every control of every panel from where the panel opened (a slider one
+notch, a dropdown to its next choice; each control is put back before the next one moves) and check that the panel
+measured again: after each run a panel writes a hidden digest of the data its figure draws and the numbers it
+computed (widgets.figure_digest: lines, bars, areas, not text), and the digest must change. Two settings may
+legitimately draw the same (Adam and AdamW hold the same memory), so a control moves on up to TRIES notches before
+it counts as ignored. A panel that echoes the value in its title or printout but draws the same data fails, naming
+the panel and the control. In a 1280 x 900 window (a laptop's), each panel is also checked for what would be cut
+off, before and after each move: the panel within the window's width, its figure no wider than the output area
+(JupyterLab would shrink it), no control label truncated, and controls with figure no taller than the notebook's
+visible height.
 Screenshots of the first panel before and after its first move, and of the page, go to --artifacts.
-tests/test_browser.py runs the same in CI (`bash scripts/test.sh`).
+tests/test_browser.py runs the same in CI (`bash scripts/test.sh`), where nbval runs every cell of the same sources
+(tests/test_course.py keeps learner/ in sync with notebooks/) and fails on any error: running the lessons' other
+cells a second time, in the browser, would cost minutes and check nothing more.
 
 Needs Chromium (Debian's `chromium`; google-chrome works too) and PyPI's `playwright`, which drives that browser
 (playwright's own browser downloads are not used). `ensure_browser()` installs both when missing and it can (root or
@@ -24,6 +28,7 @@ passwordless sudo for apt-get). JupyterLab runs on a free loopback port with a t
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -109,6 +114,47 @@ def panel_notebooks(folder: Path = LEARNER) -> list[Path]:
         if any("slider_panel(" in "".join(c["source"]) for c in cells if c["cell_type"] == "code"):
             found.append(path)
     return found
+
+
+def _binds_and_reads(source: str) -> tuple[set[str], set[str]] | None:
+    """(names a cell binds: assigned, imported, defined, or with an attribute or item set; names it reads), or None
+    where the cell is not plain Python (a magic, a shell line)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    binds, reads = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (reads if isinstance(node.ctx, ast.Load) else binds).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            binds.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            binds.add(node.name)
+        elif isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
+            while isinstance(node, (ast.Attribute, ast.Subscript)):
+                node = node.value
+            if isinstance(node, ast.Name):  # `x.a = ...` changes x
+                binds.add(node.id)
+    return binds, reads
+
+
+def panel_cells(cells: list[dict]) -> list[int]:
+    """Indices of the code cells a notebook's panels need: its first code cell (the setup), each cell that opens a
+    panel, and, going back from them, each cell that binds a name a needed cell reads; every code cell where one
+    is not plain Python."""
+    code = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    keep, wanted = [], set()
+    for i in reversed(code):
+        source = "".join(cells[i]["source"])
+        names = _binds_and_reads(source)
+        if names is None:
+            return code
+        binds, reads = names
+        if i == code[0] or "slider_panel(" in source or binds & wanted:
+            keep.append(i)
+            wanted = (wanted - binds) | reads
+    return keep[::-1]
 
 
 def free_port() -> int:
@@ -267,8 +313,11 @@ def check_fit(page, panel, name: str, result: NotebookResult) -> None:
     result.sizes.append(f"{name}: {fit['sizes']}")
 
 
-def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: float = 180) -> NotebookResult:
-    """Open ``name``, run all cells, check outputs, then move every control of every panel once."""
+def drive(
+    page, base: str, token: str, name: str, shots: Path, run_timeout_s: float = 180, cells=None
+) -> NotebookResult:
+    """Open ``name``, run all its cells, check outputs, then move every control of every panel once. ``cells``: the
+    index in the learner notebook of each cell of ``name`` (a copy holding only some of them), for the messages."""
     result = NotebookResult(name)
     start = time.monotonic()
     # a workspace of its own, reset: only this notebook open, nothing restored from an earlier one
@@ -280,6 +329,7 @@ def drive(page, base: str, token: str, name: str, shots: Path, run_timeout_s: fl
     page.wait_for_function(JS_DONE, timeout=run_timeout_s * 1000, polling=500)
     result.seconds = time.monotonic() - start
     for kind, cell, text in page.evaluate(JS_OUTPUTS):
+        cell = cells[cell] if cells else cell
         (result.errors if kind == "error" else result.stderr).append(f"cell {cell}: {text.strip()[:300]}")
     panels = page.locator(".widget-interact")
     if not panels.count():
@@ -403,8 +453,9 @@ class Browser:
     :meth:`check` drives one notebook in a fresh page. The browser test opens one per pytest worker, each checking
     its share of the notebooks; ``with Browser(...) as b:`` starts both and stops both."""
 
-    def __init__(self, notebooks: list[Path], chromium: str, shots: Path, log=print):
+    def __init__(self, notebooks: list[Path], chromium: str, shots: Path, log=print, all_cells: bool = False):
         self.notebooks, self.chromium, self.shots, self.log = list(notebooks), chromium, shots, log
+        self.all_cells, self.kept = all_cells, {}  # kept: notebook name -> the learner cells its copy holds
 
     def __enter__(self) -> Browser:
         from playwright.sync_api import sync_playwright
@@ -416,7 +467,11 @@ class Browser:
             root_dir = work / "notebooks"
             root_dir.mkdir()
             for nb in self.notebooks:
-                shutil.copy(nb, root_dir / nb.name)
+                notebook = json.loads(nb.read_text(encoding="utf-8"))
+                if not self.all_cells:  # the cells the panels need (see panel_cells); nbval runs every cell
+                    self.kept[nb.name] = panel_cells(notebook["cells"])
+                    notebook["cells"] = [notebook["cells"][i] for i in self.kept[nb.name]]
+                (root_dir / nb.name).write_text(json.dumps(notebook, indent=1), encoding="utf-8")
             self.base, self.token = self._stack.enter_context(jupyterlab(root_dir, work))
             p = self._stack.enter_context(sync_playwright())
             self.browser = p.chromium.launch(executable_path=self.chromium, headless=True, args=[
@@ -437,15 +492,16 @@ class Browser:
             old.unlink()
         page = self.browser.new_page(viewport=VIEWPORT)
         try:
-            result = drive(page, self.base, self.token, nb.name, self.shots)
+            result = drive(page, self.base, self.token, nb.name, self.shots, cells=self.kept.get(nb.name))
         except Exception as e:  # report, don't hide: which step failed is in the message
             result = NotebookResult(nb.name, problem=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             page.screenshot(path=str(self.shots / f"{nb.stem}_failed.png"))
         finally:
             page.close()
             stop_kernels(self.base, self.token)  # free the CPU for the next notebook
-        self.log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({result.seconds:.0f} s): {len(result.moves)} "
-                 f"controls re-measured; plot changed: {result.image_changed}"
+        cells = f"{len(self.kept[nb.name])} cells the panels need" if nb.name in self.kept else "all cells"
+        self.log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({cells} in {result.seconds:.0f} s): "
+                 f"{len(result.moves)} controls re-measured; plot changed: {result.image_changed}"
                  + (f"; FAILED: {result.failures}" if result.failures else "")
                  + (f"; CUT OFF in {VIEWPORT['width']}x{VIEWPORT['height']}: {result.cut_off}" if result.cut_off
                     else f"; nothing cut off in {VIEWPORT['width']}x{VIEWPORT['height']}")
@@ -455,10 +511,10 @@ class Browser:
         return result
 
 
-def check(notebooks: list[Path], chromium: str, shots: Path, log=print) -> list[NotebookResult]:
+def check(notebooks: list[Path], chromium: str, shots: Path, log=print, all_cells=False) -> list[NotebookResult]:
     """Run :func:`drive` on each notebook (copies of them), in one JupyterLab and one headless Chromium."""
     shutil.rmtree(shots, ignore_errors=True)
-    with Browser(notebooks, chromium, shots, log) as browser:
+    with Browser(notebooks, chromium, shots, log, all_cells) as browser:
         return [browser.check(nb) for nb in notebooks]
 
 
@@ -466,6 +522,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", help="number or name prefixes (default: every notebook with a panel)")
     parser.add_argument("--artifacts", type=Path, default=ROOT / "test-artifacts" / "browser")
+    parser.add_argument("--all-cells", action="store_true", help="run every cell, not only those the panels need")
     args = parser.parse_args()
     chromium, why = ensure_browser()
     if chromium is None:
@@ -473,7 +530,7 @@ def main() -> int:
         return 2
     chosen = [p for p in panel_notebooks() if not args.notebooks or any(p.name.startswith(a) for a in args.notebooks)]
     start = time.monotonic()
-    results = check(chosen, chromium, args.artifacts)
+    results = check(chosen, chromium, args.artifacts, all_cells=args.all_cells)
     failed = sum(not r.ok for r in results)
     print(f"{len(results) - failed} passed, {failed} failed in {time.monotonic() - start:.0f} s; "
           f"screenshots in {args.artifacts}")  # fmt: skip

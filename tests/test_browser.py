@@ -1,5 +1,6 @@
-"""The widgets in a real browser: every learner notebook with a slider panel runs in JupyterLab in headless Chromium,
-shows no error, re-measures when each control of each panel moves (the data its figure draws changes, not only
+"""The widgets in a real browser: every learner notebook with a slider panel runs in JupyterLab in headless Chromium
+(the cells its panels need: browser_check.panel_cells; nbval runs every cell of the same sources), shows no error,
+re-measures when each control of each panel moves (the data its figure draws changes, not only
 an echo of the control's value), and fits a 1280 x 900 window (nothing of a panel cut off or shrunk).
 
 The work is scripts/browser_check.py's. Debian's chromium (apt-get) and PyPI's playwright are installed when missing;

@@ -19,6 +19,7 @@ Bytes everywhere unless a name says otherwise.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import astuple, dataclass, field, replace
 
 import torch
@@ -294,39 +295,45 @@ def will_it_fit(cfg: ModelConfig | None = None, batch_size: int = 8, **options) 
     """
     request = FitRequest(cfg if cfg is not None else ModelConfig(), batch_size, **options)
     dev = request.check()
-    return fit_run(DryRuns(), request, dev, precision_note(request.cfg, request.autocast, dev))
+    return fit_run(request, dev, precision_note(request.cfg, request.autocast, dev))
 
 
-class DryRuns:
-    """Dry runs and their uncapped allocator replays, kept while candidates are compared: two candidates that
-    share a configuration (a micro-batch and a smaller global batch of the same size) share one dry run."""
+#: How many dry runs (with their uncapped allocator replays) are kept for reuse. A dry run is deterministic (shapes
+#: only), and the same one is asked for again and again: lesson 06's panel moved one notch and put back, the fix list
+#: of a second device (every candidate but mixed precision is the same dry run), ``cheapest_fix`` after
+#: ``will_it_fit``, a micro-batch and a smaller global batch of the same size. Bounded: GPT-2 small's two steps keep
+#: about a MiB of records.
+DRY_RUNS_KEPT = 32
 
-    def __init__(self):
-        self._done: dict[tuple, tuple] = {}
 
-    def get(
-        self,
-        cfg: ModelConfig,
-        batch_size: int,
-        optimizer: str,
-        implementation: str,
-        autocast: str | None,
-        in_backward: bool = False,
-    ):
-        key = (astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward)
-        if key not in self._done:
-            foreach, fused = IMPLEMENTATION_FLAGS[implementation]
-            trace = dry_run_config(
-                cfg,
-                optimizer=optimizer,
-                foreach=foreach,
-                fused=fused,
-                batch_size=batch_size,
-                autocast=autocast,
-                in_backward=in_backward,
-            )
-            self._done[key] = trace, replay(trace.allocation_record())
-        return self._done[key]
+@functools.lru_cache(maxsize=DRY_RUNS_KEPT)
+def _dry_run(
+    fields: tuple, batch_size: int, optimizer: str, implementation: str, autocast: str | None, in_backward: bool
+):
+    foreach, fused = IMPLEMENTATION_FLAGS[implementation]
+    trace = dry_run_config(
+        ModelConfig(*fields),
+        optimizer=optimizer,
+        foreach=foreach,
+        fused=fused,
+        batch_size=batch_size,
+        autocast=autocast,
+        in_backward=in_backward,
+    )
+    return trace, replay(trace.allocation_record())
+
+
+def dry_run_and_replay(
+    cfg: ModelConfig,
+    batch_size: int,
+    optimizer: str,
+    implementation: str,
+    autocast: str | None,
+    in_backward: bool = False,
+):
+    """(the Trace of ``dry_run_config``, its uncapped allocator replay) for two steps of ``cfg``: the last
+    :data:`DRY_RUNS_KEPT` are kept and given again (read them, do not change them)."""
+    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward)
 
 
 def gradient_bytes(cfg: ModelConfig) -> int:
@@ -350,8 +357,9 @@ def allocator_failure(record, rep, limit: int) -> tuple[int, str] | None:
     return None if capped.passed else (capped.step, capped.phase)
 
 
-def fit_run(runs: DryRuns, request: FitRequest, dev: Device, note: str = "") -> FitReport:
-    """The :class:`FitReport` of ``request`` on ``dev`` (its checked device), from ``runs``.
+def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
+    """The :class:`FitReport` of ``request`` on ``dev`` (its checked device), from its dry run
+    (:func:`dry_run_and_replay`).
 
     ``micro_batches=k``: the dry run of one micro-batch (``batch_size // k`` rows), with the whole gradients added to
     its forward and backward and the rest of the global batch's inputs (``track_steps`` slices micro-batches out of
@@ -361,7 +369,7 @@ def fit_run(runs: DryRuns, request: FitRequest, dev: Device, note: str = "") -> 
     """
     cfg, autocast, micro_batches = request.cfg, request.autocast, request.micro_batches
     b = request.batch_size // micro_batches
-    trace, rep = runs.get(cfg, b, request.optimizer, request.implementation, autocast, request.in_backward)
+    trace, rep = dry_run_and_replay(cfg, b, request.optimizer, request.implementation, autocast, request.in_backward)
     grads = gradient_bytes(cfg) if micro_batches > 1 else 0
     inputs = 2 * 8 * cfg.seq_len * (request.batch_size - b)  # x and y (int64) of the rest of the global batch
     label = request.label()

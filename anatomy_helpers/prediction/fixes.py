@@ -21,7 +21,7 @@ from ..units import pick_unit
 from .cuda_rules import CudaRuleError
 from .devices import Device
 from .dryrun import build_fake_model, course_batch
-from .fit import DryRuns, FitReport, FitRequest, fit_run
+from .fit import FitReport, FitRequest, fit_run
 
 
 @functools.lru_cache(maxsize=64)  # bounded: one entry per configuration counted, a few bytes each
@@ -117,13 +117,13 @@ def cheapest_fix(cfg: ModelConfig | None = None, batch_size: int = 8, **options)
     """
     request = FitRequest(cfg if cfg is not None else ModelConfig(), batch_size, **options)
     dev = request.check()
-    cfg, m, runs = request.cfg, request.micro_batches, DryRuns()
+    cfg, m = request.cfg, request.micro_batches
     optimizer, implementation, autocast = request.optimizer, request.implementation, request.autocast
     base_flops = config_step_flops(cfg, batch_size)
     fixes = []
 
     def candidate(name, effect, note, new_cfg=cfg, b=batch_size, micro=m, flops=None, **over):
-        report = fit_run(runs, request.but(cfg=new_cfg, batch_size=b, micro_batches=micro, **over), dev)
+        report = fit_run(request.but(cfg=new_cfg, batch_size=b, micro_batches=micro, **over), dev)
         flops = config_step_flops(new_cfg, b) * batch_size // b if flops is None else flops  # per global batch
         return Fix(name, report, flops / base_flops - 1, effect, note, micro)
 
