@@ -122,6 +122,20 @@ SWEEP = [
 ]
 
 
+def test_the_sweep_covers_every_shipped_architecture_and_every_choice():
+    """Each shipped model's tiny twin, and each value of each choice, is in the byte-for-byte sweep at least once
+    (a sweep trimmed for time that lost one would no longer test it)."""
+    cases = [(p.values[0], FineTune(**p.values[1])) for p in SWEEP]
+    assert {name for name, _ in cases} == set(SHIPPED)
+    seen = lambda field: {getattr(ft, field) for _, ft in cases}  # noqa: E731
+    assert seen("method") == {"full", "frozen", "lora"} and seen("attn_implementation") == {"eager", "sdpa"}
+    assert seen("dtype") == {"float32", "bfloat16"} and seen("autocast") == {None, "bfloat16"}
+    assert seen("gradient_checkpointing") == {False, True} and seen("micro_batches") == {1, 2}
+    assert seen("optimizer") == {"adamw", "adam", "sgd", "momentum"}
+    assert seen("foreach") == {None, True} and seen("fused") == {None, True}
+    assert seen("experts_implementation") == {None, "batched_mm"}
+
+
 @pytest.mark.parametrize("name, fields", SWEEP)
 def test_dry_run_of_a_tiny_twin_equals_its_real_run_byte_for_byte(name, fields):
     cfg, ft = tiny_config(name), FineTune(**fields)
