@@ -175,6 +175,18 @@ def test_bad_fine_tunes_get_clear_errors():
         dry_run_hf(tiny_config("llama-3.2-1b"), FineTune(method="frozen", freeze=("decoder.",)))
     with pytest.raises(ValueError, match="LoRA target modules.*nonexistent"):
         dry_run_hf(tiny_config("llama-3.2-1b"), FineTune(method="lora", lora_targets=("nonexistent_proj",)))
+    # GPT-2's learned positions end at n_positions: past them the real step fails (index out of range), so a dry
+    # run, which reads no token ids, is refused there rather than answering for a step that cannot run
+    from anatomy_helpers.prediction.hf_step import hf_batch, hf_step, make_hf_optimizer
+
+    tiny, long = tiny_config("gpt2"), FineTune(seq_len=65, batch_size=1)
+    assert tiny.max_position_embeddings == 64
+    model = make_hf_model(tiny, long)
+    with pytest.raises(IndexError):
+        hf_step(model, make_hf_optimizer(model, long), hf_batch(tiny.vocab_size, long, 0), long)
+    for run in (dry_run_hf, track_hf):
+        with pytest.raises(ValueError, match=r"seq_len 65 .*GPT2Config.*max_position_embeddings=64"):
+            run(tiny, long)
 
 
 def test_mixture_of_experts_routing_is_refused_where_it_makes_shapes():
