@@ -84,3 +84,15 @@ def test_predict_hf_help_lists_its_options(capsys):
     out = capsys.readouterr().out
     for flag in ("--lora-rank", "--freeze", "--gradient-checkpointing", "--world-size", "--zero", "--json", "--fix"):
         assert flag in out
+
+
+def test_predict_hf_on_a_config_that_is_not_a_causal_lm_exits_2_naming_it(tmp_path, capsys):
+    from transformers import ViTConfig
+
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).to_json_file(
+        tmp_path / "config.json"
+    )
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--hf", str(tmp_path), "--seq-len", "16"])
+    printed = capsys.readouterr()
+    assert e.value.code == 2 and "ViTConfig (vit) is not a causal language model" in printed.err and not printed.out

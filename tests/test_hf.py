@@ -122,6 +122,20 @@ SWEEP = [
 ]
 
 
+def test_the_sweep_covers_every_shipped_architecture_and_every_choice():
+    """Each shipped model's tiny twin, and each value of each choice, is in the byte-for-byte sweep at least once
+    (a sweep trimmed for time that lost one would no longer test it)."""
+    cases = [(p.values[0], FineTune(**p.values[1])) for p in SWEEP]
+    assert {name for name, _ in cases} == set(SHIPPED)
+    seen = lambda field: {getattr(ft, field) for _, ft in cases}  # noqa: E731
+    assert seen("method") == {"full", "frozen", "lora"} and seen("attn_implementation") == {"eager", "sdpa"}
+    assert seen("dtype") == {"float32", "bfloat16"} and seen("autocast") == {None, "bfloat16"}
+    assert seen("gradient_checkpointing") == {False, True} and seen("micro_batches") == {1, 2}
+    assert seen("optimizer") == {"adamw", "adam", "sgd", "momentum"}
+    assert seen("foreach") == {None, True} and seen("fused") == {None, True}
+    assert seen("experts_implementation") == {None, "batched_mm"}
+
+
 @pytest.mark.parametrize("name, fields", SWEEP)
 def test_dry_run_of_a_tiny_twin_equals_its_real_run_byte_for_byte(name, fields):
     cfg, ft = tiny_config(name), FineTune(**fields)
@@ -161,6 +175,18 @@ def test_bad_fine_tunes_get_clear_errors():
         dry_run_hf(tiny_config("llama-3.2-1b"), FineTune(method="frozen", freeze=("decoder.",)))
     with pytest.raises(ValueError, match="LoRA target modules.*nonexistent"):
         dry_run_hf(tiny_config("llama-3.2-1b"), FineTune(method="lora", lora_targets=("nonexistent_proj",)))
+    # GPT-2's learned positions end at n_positions: past them the real step fails (index out of range), so a dry
+    # run, which reads no token ids, is refused there rather than answering for a step that cannot run
+    from anatomy_helpers.prediction.hf_step import hf_batch, hf_step, make_hf_optimizer
+
+    tiny, long = tiny_config("gpt2"), FineTune(seq_len=65, batch_size=1)
+    assert tiny.max_position_embeddings == 64
+    model = make_hf_model(tiny, long)
+    with pytest.raises(IndexError):
+        hf_step(model, make_hf_optimizer(model, long), hf_batch(tiny.vocab_size, long, 0), long)
+    for run in (dry_run_hf, track_hf):
+        with pytest.raises(ValueError, match=r"seq_len 65 .*GPT2Config.*max_position_embeddings=64"):
+            run(tiny, long)
 
 
 def test_mixture_of_experts_routing_is_refused_where_it_makes_shapes():

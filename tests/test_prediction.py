@@ -190,6 +190,11 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
         "bf16 optimizer state": "numerics",
     }
     assert "numerics" in fixes_table(fixes)
+    # every effect fits its column, the longest ("trained parameters", LoRA's) too: the notes stay aligned
+    widest = dataclasses.replace(fixes[0], effect=max(EFFECTS, key=len))
+    lines = fixes_table([widest, *fixes]).splitlines()
+    starts = {line.index(f.note) for line, f in zip(lines[2:], [widest, *fixes]) if f.note}
+    assert starts == {lines[0].index("note")}, lines
 
 
 def test_training_preserving_fixes_rank_first_and_the_t4_gets_fp16():

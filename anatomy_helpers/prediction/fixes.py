@@ -213,7 +213,7 @@ def fixes_table(fixes: list[Fix]) -> str:
         Col("peak", 8, ".2f"),
         Col("fits", 5),
         Col("extra FLOPs", 11, "+.0%"),
-        Col("changes", 12, align="<", gap="  "),
+        Col("changes", max(map(len, EFFECTS)), align="<", gap="  "),  # "trained parameters": LoRA (hf_fixes.py)
         Col("note", 60, align="<", gap="  "),
     ]
     rows = [

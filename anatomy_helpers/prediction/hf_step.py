@@ -236,11 +236,25 @@ def _steps(model, optimizer, vocab_size: int, ft: FineTune, steps: int, *, fake:
     return tracker.trace
 
 
+def _check_positions(cfg, ft: FineTune) -> None:
+    """ValueError if ``ft``'s sequences are longer than ``cfg``'s model takes. A real step would fail (GPT-2's
+    learned position table has 1,024 rows: index out of range) or run past what the model was made for; a dry run
+    reads no token ids, so without this it would return a number for a step that cannot run as configured."""
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(limit, int) and ft.seq_len > limit:
+        raise ValueError(
+            f"seq_len {ft.seq_len} is longer than {type(cfg).__name__} ({cfg.model_type}) takes: "
+            f"max_position_embeddings={limit}; use seq_len <= {limit}, or a config.json whose model takes longer "
+            "sequences"
+        )
+
+
 def track_hf(cfg, ft: FineTune, steps: int = 2, *, seed: int = 0, kernel_scratch: bool = True) -> Trace:
     """``steps`` real tracked steps of ``cfg``'s model (random weights, seeded) on CPU. Compare with a dry run
     using ``kernel_scratch=False``: kernel scratch is the one category a dry run cannot see."""
     cfg = hf_config(cfg)
     positive_int("steps", steps)
+    _check_positions(cfg, ft)
     torch.manual_seed(seed)
     model = make_hf_model(cfg, ft)
     optimizer = make_hf_optimizer(model, ft)
@@ -369,6 +383,7 @@ def dry_run_hf(cfg, ft: FineTune = FineTune(), steps: int = 2, *, check_on=None)
     """
     cfg = hf_config(cfg)
     positive_int("steps", steps)
+    _check_positions(cfg, ft)
     trace, calls = _fake_run(cfg, ft, steps)
     twin = check_on if check_on is not None else tiny_config(cfg)
     small = dataclasses.replace(ft, batch_size=ft.micro_batches, seq_len=min(ft.seq_len, 16))
