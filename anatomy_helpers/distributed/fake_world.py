@@ -52,6 +52,14 @@ FAKE_RULES = {
     "kernel scratch": "Not measured by a real rank either (RankTracker(kernel_scratch=False)).",
 }
 
+#: Figures of a real gloo rank that depend on timing, and why. Gloo runs each collective on a worker thread, which
+#: lets go of the collective's tensors a moment after the caller's wait() has returned. When FSDP2 has already
+#: dropped its own reference by then, that buffer is freed on the worker thread, after allocations the caller made
+#: in between: in some real runs a rank's peak (and its communication peak) is higher by that buffer. Measured on
+#: the test model, FSDP2 ZeRO-3 at N = 4: 3 runs of 8 had one rank 90,816 B over its dry run; nothing else differed.
+#: A dry run (no worker thread) frees in program order: the real run's peak when the worker is quick.
+GLOO_TIMING = ("peak", "communication_peak")
+
 #: Collectives, not kernels: c10d's in-place ops (DDP, FSDP2, ZeRO) and the functional ones DTensor issues (tensor
 #: parallelism). They need a real process group to run, so the dry run's kernel check leaves them out.
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
@@ -238,19 +246,21 @@ def model_states_rule(model: dict, strategy: str, world_size: int, rank: int = 0
 # ---- a fake rank against a real one, and the per-rank table at any N ----------------------------------------------
 
 
-def rank_differences(real: RankResult, fake: RankResult) -> dict[str, tuple]:
+def rank_differences(real: RankResult, fake: RankResult, *, gloo_late_frees: bool = False) -> dict[str, tuple]:
     """Every figure of a real rank's result that its dry run does not reproduce byte for byte: ``{name: (real,
     fake)}``, empty when they agree. Compared: the rank table's row (model states, communication before the step
     and at its peak, the peak), torch's own figures, the activation peak, the timeline's length, and the collectives
     (op and bytes, in order). DDP's buckets: a fake rank keeps DDP's first bucket assignment (FAKE_RULES), so for
-    DDP and ZeRO-1 the gradient all-reduces are compared by their total bytes, every other collective one by one."""
+    DDP and ZeRO-1 the gradient all-reduces are compared by their total bytes, every other collective one by one.
+    ``gloo_late_frees``: a real rank's :data:`GLOO_TIMING` figures may be higher than the dry run's (never lower)."""
     from .world import rank_row
 
     out: dict[str, tuple] = {}
     a, b = rank_row(real), rank_row(fake)
     for name in a.__dataclass_fields__:
-        if getattr(a, name) != getattr(b, name):
-            out[name] = (getattr(a, name), getattr(b, name))
+        x, y = getattr(a, name), getattr(b, name)
+        if x != y and not (gloo_late_frees and name in GLOO_TIMING and x > y):
+            out[name] = (x, y)
     for name in ("n_params", "torch_param_bytes", "torch_param_numel_bytes", "torch_grad_bytes", "torch_state_bytes"):
         if getattr(real, name) != getattr(fake, name):
             out[name] = (getattr(real, name), getattr(fake, name))
