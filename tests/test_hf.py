@@ -10,7 +10,14 @@ pytest.importorskip("peft")
 
 from anatomy_helpers.prediction.dryrun import DryRunError  # noqa: E402
 from anatomy_helpers.prediction.hf import SHIPPED, build_model, hf_config, meta_parameters, tiny_config  # noqa: E402
-from anatomy_helpers.prediction.hf_step import FineTune, dry_run_hf, make_hf_model, track_hf  # noqa: E402
+from anatomy_helpers.prediction.hf_step import (  # noqa: E402
+    FineTune,
+    dry_run_hf,
+    make_hf_model,
+    track_hf,
+    twin_config,
+    twin_fine_tune,
+)
 
 from .test_dryrun import assert_same_trace  # noqa: E402
 
@@ -286,3 +293,25 @@ def test_lora_on_fused_experts_gets_the_rank_peft_maps_it_to():
     shapes = {n.split("layers.0.")[1]: tuple(p.shape) for n, p in model.named_parameters() if "layers.0.mlp.exp" in n}
     assert shapes["mlp.experts.base_layer.lora_A.default.weight"] == (experts * 2 * 4, cfg.hidden_size)  # gate_up
     assert shapes["mlp.experts.lora_A.default.weight"] == (experts * 4, cfg.intermediate_size)  # down_proj
+
+
+@pytest.mark.parametrize(
+    ("batch", "micro", "seq", "expected"),
+    [(4, 1, 1024, (2, 16)), (1, 1, 1024, (1, 16)), (8, 4, 8, (8, 8)), (4, 4, 64, (4, 16)), (6, 2, 16, (4, 16))],
+)
+def test_the_twin_runs_two_rows_per_micro_batch_where_the_step_does(batch, micro, seq, expected):
+    """GPT-2 at batch 4 x 1,024 was refused: its twin ran one row, whose size-1 batch dimension made a bmm input
+    contiguous that is not at batch 4, so the big step's bmm signature was never checked."""
+    twin = twin_fine_tune(FineTune(batch_size=batch, micro_batches=micro, seq_len=seq))
+    assert (twin.batch_size, twin.seq_len, twin.micro_batches) == (*expected, micro)
+
+
+def test_the_twin_keeps_a_sliding_window_the_step_stays_inside():
+    """Phi-3 (window 2,047) at 1,024 tokens has no mask and runs SDPA's fused CPU kernel; a twin whose 16 tokens
+    cross a shrunk window runs the math path instead, and the big step's fused kernel went unchecked."""
+    cfg = hf_config("phi-3-mini-4k")
+    inside = twin_config(cfg, FineTune(seq_len=cfg.sliding_window))
+    crossing = twin_config(cfg, FineTune(seq_len=cfg.sliding_window + 1))
+    assert inside.sliding_window >= twin_fine_tune(FineTune(seq_len=cfg.sliding_window)).seq_len
+    assert crossing.sliding_window < twin_fine_tune(FineTune(seq_len=cfg.sliding_window + 1)).seq_len
+    assert twin_config(hf_config("llama-3.2-1b"), FineTune()).to_dict() == tiny_config("llama-3.2-1b").to_dict()

@@ -373,6 +373,26 @@ def _fake_run(cfg, ft: FineTune, steps: int):
     return trace, mode.calls
 
 
+def twin_config(cfg, ft: FineTune):
+    """The tiny twin whose real kernels check the ops of a dry run of ``cfg`` under ``ft``: ``tiny_config(cfg)``,
+    whose sliding window (if any) is shrunk so that the twin's 16 tokens cross it (a mask: SDPA's math path);
+    when ``ft``'s sequence fits in the real window, the step has no mask and takes SDPA's fused kernel, so the
+    twin's window then holds its whole sequence too."""
+    twin = tiny_config(cfg)
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and ft.seq_len <= window:
+        twin.sliding_window = twin.max_position_embeddings
+    return twin
+
+
+def twin_fine_tune(ft: FineTune) -> FineTune:
+    """``ft`` at the twin's size: at most 16 tokens, and two rows per micro-batch where ``ft`` has two or more
+    (with one, a size-1 batch dimension makes views contiguous that are not at batch 2+, and contiguity enters
+    each op's signature: the twin would not run the ops the real step runs)."""
+    rows = min(ft.batch_size // ft.micro_batches, 2)
+    return dataclasses.replace(ft, batch_size=rows * ft.micro_batches, seq_len=min(ft.seq_len, 16))
+
+
 def dry_run_hf(cfg, ft: FineTune = FineTune(), steps: int = 2, *, check_on=None) -> Trace:
     """Dry-run ``steps`` fine-tuning steps of ``cfg``'s model (hf.hf_config takes a shipped name, a config.json
     or a config): the Trace :func:`track_hf` records with ``kernel_scratch=False``, byte for byte, at any size.
@@ -385,7 +405,7 @@ def dry_run_hf(cfg, ft: FineTune = FineTune(), steps: int = 2, *, check_on=None)
     positive_int("steps", steps)
     _check_positions(cfg, ft)
     trace, calls = _fake_run(cfg, ft, steps)
-    twin = check_on if check_on is not None else tiny_config(cfg)
-    small = dataclasses.replace(ft, batch_size=ft.micro_batches, seq_len=min(ft.seq_len, 16))
+    twin = check_on if check_on is not None else twin_config(cfg, ft)
+    small = twin_fine_tune(ft)
     _check_ops(calls, f"{cfg.model_type} ({type(cfg).__name__})", lambda: _fake_run(twin, small, 2)[1])
     return trace
