@@ -5,6 +5,7 @@ test-artifacts/site/)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -121,10 +122,17 @@ def test_a_lesson_page_in_chromium_shows_its_title_a_figure_and_the_navigation(b
     chromium, why = browser_check.ensure_browser(log=lambda m: print(f"\n[site test] {m}", flush=True))
     if chromium is None:
         pytest.skip(f"NOT TESTED: {why}")
-    from playwright.sync_api import sync_playwright
-
     shots = Path(os.environ.get("COURSE_ARTIFACTS", ROOT / "test-artifacts")) / "site"
     shots.mkdir(parents=True, exist_ok=True)
+    # in a thread of its own: playwright's sync API refuses a thread whose asyncio loop is running, and the browser
+    # test's open Chromium (same xdist worker, module-scoped) runs one in this thread
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(_open_a_lesson_page, built, chromium, shots).result()
+
+
+def _open_a_lesson_page(built: Path, chromium: str, shots: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
     lesson = NOTEBOOKS[1]
     title = course_site.title_of(json.loads(lesson.read_text(encoding="utf-8")))
     with sync_playwright() as p:
