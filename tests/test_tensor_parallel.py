@@ -111,3 +111,16 @@ def test_two_real_gloo_ranks_keep_what_the_dry_run_says_byte_for_byte(runs):
             assert layer_parts(rank.trace) == layer_parts(fake), (strategy, rank.rank)
             acts = rank.trace.timeline.category("activations").max()
             assert acts == fake.timeline.category("activations").max()
+
+
+def test_dtensors_cpu_rng_warning_is_silenced_inside_the_dry_run_only():
+    """Sequence-parallel dropout on a CPU mesh makes DTensor warn (torch/distributed/tensor/_random.py); the dry run
+    draws no random numbers, so tp_dry_run silences exactly that message, with a filter that ends with the run."""
+    import warnings
+
+    from anatomy_helpers.distributed.tensor_parallel import DTENSOR_RNG_WARNING
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tp_dry_run(CFG, 2, sequence_parallel=True, batch_size=2)
+    assert not [w for w in caught if DTENSOR_RNG_WARNING in str(w.message)], [str(w.message) for w in caught]

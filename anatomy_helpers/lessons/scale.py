@@ -1,0 +1,211 @@
+"""Notebook 11: one step across thousands of devices. Per-rank memory at any world size from one process
+(:mod:`~anatomy_helpers.distributed.fake_world`), tensor parallelism against Korthikanti et al.
+(:mod:`~anatomy_helpers.distributed.tensor_parallel`), and the modelled cost of synchronizing
+(:mod:`~anatomy_helpers.distributed.sync_model`). Bytes unless a name says otherwise; seconds for times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..distributed.fake_world import WorldRow, world_rows
+from ..distributed.sync_model import ASSUMPTIONS, LINKS, Link, StepTime, expected_max, scaling_curve
+from ..distributed.tensor_parallel import TPPart, compare_tp_layer, korthikanti_tp_terms, tp_dry_run
+from ..model import ModelConfig
+from ..tables import Col, format_table
+
+# Section 1: lesson 08's model, so that the small-N rows can be read beside its real gloo tables.
+CONFIG = dict(n_layer=2, d_model=128, n_head=4, seq_len=64)
+# DDP and ZeRO-1 dry runs take about as long at 4,096 ranks as at 2; FSDP2's grow with N (per-rank tables of size
+# N), so the lesson stops it at 64 to stay within a minute on a laptop.
+WORLD_SIZES = (2, 8, 64, 1024, 4096)
+FSDP_WORLD_SIZES = (2, 8, 64)
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+
+# Section 2: 16-bit activations and dropout on, as the formula assumes; 8 heads so that t = 8 leaves one per rank.
+TP_CONFIG = ModelConfig(n_layer=2, d_model=128, n_head=8, seq_len=64, dropout=0.1, dtype="bfloat16")
+TP_BATCH = 4
+TP_DEGREES = ((1, False), (2, False), (8, False), (8, True))  # (t, sequence parallelism)
+
+# Section 3: a wider model, so that a rank's compute is not negligible next to its communication (the dry runs'
+# cost grows with the number of ops, not with their sizes).
+SYNC_CONFIG = dict(n_layer=2, d_model=1024, n_head=8, seq_len=256)
+SYNC_ROWS = 32  # rows per rank (weak scaling: the same at every N)
+SYNC_WORLD_SIZES = {"ddp": (8, 64, 512, 4096), "zero1": (8, 64, 512, 4096), "fsdp2_zero3": (8, 32, 128)}
+PEAK_FLOPS = 989e12  # H100 SXM, dense bf16 (NVIDIA's data sheet, docs/references.md), FLOP/s
+UTILISATION = 0.4
+LINK = LINKS["ib_ndr"]
+
+
+# ---- section 1: per-rank memory at any N -------------------------------------------------------------------------
+
+
+def per_rank_rows(
+    model: dict = CONFIG, world_sizes: Sequence[int] = WORLD_SIZES, fsdp_world_sizes: Sequence[int] = FSDP_WORLD_SIZES
+) -> list[WorldRow]:
+    """Rank 0 of DDP and ZeRO-1 at each of ``world_sizes`` and of FSDP2 (ZeRO-3-like) at each of
+    ``fsdp_world_sizes``, dry-run in this process (:func:`~anatomy_helpers.distributed.fake_world.world_rows`),
+    one row of the course batch per rank."""
+    return world_rows(model, ["ddp", "zero1"], tuple(world_sizes)) + world_rows(
+        model, ["fsdp2_zero3"], tuple(fsdp_world_sizes)
+    )
+
+
+def shrink_factors(rows: Sequence[WorldRow]) -> dict[str, dict[str, float]]:
+    """How many times smaller each category is on a rank at a strategy's largest N than at its smallest:
+    ``{strategy: {category: bytes at smallest N / bytes at largest N}}`` (1.0: it does not shrink with N)."""
+    out: dict[str, dict[str, float]] = {}
+    for strategy in dict.fromkeys(r.strategy for r in rows):
+        mine = sorted((r for r in rows if r.strategy == strategy), key=lambda r: r.world_size)
+        if len(mine) < 2:
+            raise ValueError(f"{strategy}: need rows at two world sizes at least, got {len(mine)}")
+        first, last = mine[0], mine[-1]
+        out[strategy] = {c: getattr(first, c) / getattr(last, c) for c in CATEGORIES}
+    return out
+
+
+def format_shrink(rows: Sequence[WorldRow]) -> str:
+    """:func:`shrink_factors` as a table, one strategy a row, with the N range it spans."""
+    cols = [Col("strategy", 12, align="<"), Col("N", 10, align="<")] + [Col(c, 15, ".1f") for c in CATEGORIES]
+    out = []
+    for strategy, factors in shrink_factors(rows).items():
+        ns = sorted(r.world_size for r in rows if r.strategy == strategy)
+        out.append([strategy, f"{ns[0]}->{ns[-1]}"] + [factors[c] for c in CATEGORIES])
+    return format_table(cols, out, note="(x smaller per rank from the smallest N to the largest)")
+
+
+# ---- section 2: tensor parallelism -------------------------------------------------------------------------------
+
+
+def tp_layers(
+    cfg: ModelConfig = TP_CONFIG, degrees: Sequence[tuple[int, bool]] = TP_DEGREES, batch_size: int = TP_BATCH
+) -> dict[tuple[int, bool], list[TPPart]]:
+    """Block 0 of rank 0 of a t-way TP group (with or without sequence parallelism), dry-run, part by part against
+    Korthikanti et al.: ``{(t, sequence_parallel): [TPPart, ...]}``."""
+    return {
+        (t, sp): compare_tp_layer(tp_dry_run(cfg, t, sequence_parallel=sp, batch_size=batch_size), cfg, batch_size)
+        for t, sp in degrees
+    }
+
+
+def tp_totals(layers: dict, cfg: ModelConfig = TP_CONFIG, batch_size: int = TP_BATCH) -> list[dict]:
+    """One row per (t, sp): one block's measured activations on one rank, the paper's closed form (16-bit), the
+    known gaps (:data:`~anatomy_helpers.distributed.tensor_parallel.GAP_REASONS`) and what is left unexplained."""
+    s, b, h, a = cfg.seq_len, batch_size, cfg.d_model, cfg.n_head
+    rows = []
+    for (t, sp), parts in layers.items():
+        closed = s * b * h / t * (34 + 5 * a * s / h) if sp else s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        measured = sum(p.measured for p in parts)
+        gap = sum(p.known_gap for p in parts)
+        rows.append(
+            dict(
+                t=t,
+                sequence_parallel=sp,
+                measured=measured,
+                formula=closed,
+                terms=sum(korthikanti_tp_terms(s, b, h, a, t, sp).values()),
+                known_gap=gap,
+                unexplained=measured - closed - gap,
+            )
+        )
+    return rows
+
+
+def format_tp_totals(rows: Sequence[dict]) -> str:
+    """:func:`tp_totals` as a table (bytes)."""
+    cols = [
+        Col("t", 3, "d"),
+        Col("SP", 3, align="<"),
+        Col("measured", 10, ",d"),
+        Col("Korthikanti", 11, ",.0f"),
+        Col("known gap", 10, "+,d"),
+        Col("unexplained", 11, "+,.0f"),
+    ]
+    out = [
+        [
+            r["t"],
+            "yes" if r["sequence_parallel"] else "no",
+            r["measured"],
+            r["formula"],
+            r["known_gap"],
+            r["unexplained"],
+        ]
+        for r in rows
+    ]
+    return format_table(cols, out, note="(bytes, one block, one rank)")
+
+
+# ---- section 3: the synchronization model ------------------------------------------------------------------------
+
+
+def sync_curves(
+    model: dict = SYNC_CONFIG,
+    world_sizes: dict = SYNC_WORLD_SIZES,
+    *,
+    rows_per_rank: int = SYNC_ROWS,
+    jitter: Sequence[float] = (1.0,),
+    peak_flops: float = PEAK_FLOPS,
+    utilisation: float = UTILISATION,
+    link: Link = LINK,
+) -> dict[str, list[StepTime]]:
+    """The modelled step of each strategy at each of its world sizes (:func:`~anatomy_helpers.distributed.
+    sync_model.scaling_curve`): ``{strategy: [StepTime, ...]}``. A model, not a measurement."""
+    return {
+        strategy: scaling_curve(
+            model,
+            strategy,
+            ns,
+            rows_per_rank=rows_per_rank,
+            peak_flops=peak_flops,
+            utilisation=utilisation,
+            link=link,
+            jitter=jitter,
+        )
+        for strategy, ns in world_sizes.items()
+    }
+
+
+def with_stragglers(curves: dict[str, list[StepTime]], jitter: Sequence[float]) -> dict[str, list[StepTime]]:
+    """The same modelled steps with the straggler tail of measured ``jitter`` (step times relative to their median)
+    added, as :func:`~anatomy_helpers.distributed.sync_model.step_time` adds it, without dry-running again."""
+    out = {}
+    for name, rows in curves.items():
+        out[name] = []
+        for r in rows:
+            tail = (r.forward + r.backward) * (expected_max(jitter, r.n) - float(np.median(jitter)))
+            out[name].append(dataclasses.replace(r, straggler=tail, step=r.step - r.straggler + tail))
+    return out
+
+
+def format_assumptions(peak_flops: float = PEAK_FLOPS, utilisation: float = UTILISATION, link: Link = LINK) -> str:
+    """The model's inputs and assumptions, in one place, to print beside its output."""
+    lines = [
+        f"device: {peak_flops / 1e12:,.0f} TFLOP/s peak at {utilisation:.0%} utilisation",
+        f"link: {link.name}: {link.bandwidth / 1e9:,.1f} GB/s per direction, {link.latency * 1e6:.0f} us per message",
+    ]
+    return "\n".join(lines + [f"- {a}" for a in ASSUMPTIONS])
+
+
+def format_step_times(curves: dict[str, list[StepTime]]) -> str:
+    """The modelled steps as a table: compute, communication, its exposed part, straggler tail, step (ms), and the
+    share of the step spent computing."""
+    cols = [
+        Col("strategy", 12, align="<"),
+        Col("N", 5, "d"),
+        Col("compute", 8, ",.3f"),
+        Col("comm", 8, ",.3f"),
+        Col("exposed", 8, ",.3f"),
+        Col("straggler", 9, ",.3f"),
+        Col("step", 8, ",.3f"),
+        Col("efficiency", 10, ".3f"),
+    ]
+    out = [
+        [name, r.n, (r.forward + r.backward) * 1e3, r.communication * 1e3, r.exposed * 1e3, r.straggler * 1e3]
+        + [r.step * 1e3, r.efficiency]
+        for name, rows in curves.items()
+        for r in rows
+    ]
+    return format_table(cols, out, note="(modelled, milliseconds per step)")

@@ -1,0 +1,98 @@
+"""Notebook 11's helpers (lessons/scale.py): the per-rank rows, what shrinks with N, the TP totals against the
+paper's closed forms, and the synchronization model's straggler tail added without dry-running again."""
+
+import dataclasses
+
+import pytest
+
+from anatomy_helpers.distributed.fake_world import WorldRow, model_states_rule
+from anatomy_helpers.distributed.sync_model import ASSUMPTIONS, LINKS
+from anatomy_helpers.distributed.tensor_parallel import korthikanti_tp_terms, layer_parts, tp_dry_run
+from anatomy_helpers.lessons.scale import (
+    CATEGORIES,
+    format_assumptions,
+    format_shrink,
+    format_step_times,
+    format_tp_totals,
+    per_rank_rows,
+    shrink_factors,
+    sync_curves,
+    tp_layers,
+    tp_totals,
+    with_stragglers,
+)
+from anatomy_helpers.model import ModelConfig
+
+from .conftest import SMALL
+
+TP_SMALL = ModelConfig(n_layer=1, d_model=32, n_head=2, seq_len=16, dropout=0.1, dtype="bfloat16")
+
+
+def row(strategy: str, n: int, **sizes) -> WorldRow:
+    values = dict(parameters=0, gradients=0, optimizer_state=0, activations=0) | sizes
+    return WorldRow(strategy, n, 0, **values, communication_peak=0, peak=0, formula_model_states=1.0,
+                    rule_model_states=0, seconds=0.0)  # fmt: skip
+
+
+def test_per_rank_rows_dry_run_each_strategy_at_its_world_sizes_to_the_rules():
+    rows = per_rank_rows(SMALL, (2, 8), (4,))
+    assert [(r.strategy, r.world_size) for r in rows] == [("ddp", 2), ("ddp", 8), ("zero1", 2), ("zero1", 8),
+                                                          ("fsdp2_zero3", 4)]  # fmt: skip
+    for r in rows:
+        rule = model_states_rule(SMALL, r.strategy, r.world_size, 0)
+        assert (r.parameters, r.gradients, r.optimizer_state) == tuple(rule.values())
+
+
+def test_shrink_factors_divide_the_smallest_ns_bytes_by_the_largest_ns():
+    rows = [
+        row("a", 64, parameters=10, gradients=4, optimizer_state=8, activations=6),
+        row("a", 2, parameters=640, gradients=8, optimizer_state=8, activations=6),
+        row("b", 8, parameters=3, gradients=3, optimizer_state=3, activations=3),
+        row("b", 4, parameters=6, gradients=3, optimizer_state=9, activations=3),
+    ]
+    factors = shrink_factors(rows)
+    assert factors == {
+        "a": {"parameters": 64.0, "gradients": 2.0, "optimizer_state": 1.0, "activations": 1.0},
+        "b": {"parameters": 2.0, "gradients": 1.0, "optimizer_state": 3.0, "activations": 1.0},
+    }
+    table = format_shrink(rows)
+    assert "2->64" in table and "4->8" in table and "64.0" in table
+    with pytest.raises(ValueError, match="two world sizes"):
+        shrink_factors(rows[:1])
+    assert set(CATEGORIES) == set(next(iter(factors.values())))
+
+
+def test_tp_totals_are_the_papers_closed_forms_plus_the_named_gaps():
+    layers = tp_layers(TP_SMALL, ((1, False), (2, True)), batch_size=2)
+    totals = tp_totals(layers, TP_SMALL, batch_size=2)
+    s, b, h, a = 16, 2, 32, 2
+    for r in totals:
+        t, sp = r["t"], r["sequence_parallel"]
+        assert r["formula"] == pytest.approx(sum(korthikanti_tp_terms(s, b, h, a, t, sp).values()), rel=1e-12)
+        assert r["unexplained"] == 0 and r["known_gap"] > 0  # masks in 2 bytes, the causal mask, LN statistics
+    one = sum(layer_parts(tp_dry_run(TP_SMALL, 1, batch_size=2).trace).values())
+    assert totals[0]["measured"] == one
+    assert totals[1]["measured"] < one  # two ranks with sequence parallelism keep less than one
+    assert "Korthikanti" in format_tp_totals(totals)
+
+
+def test_with_stragglers_adds_the_tail_step_time_would_have_added():
+    jitter = [0.8, 1.0, 1.0, 1.3, 2.0]
+    sizes = {"ddp": (2, 16)}
+    kwargs = dict(rows_per_rank=1, peak_flops=1e12, link=LINKS["ethernet100"])
+    plain = sync_curves(SMALL, sizes, **kwargs)
+    direct = sync_curves(SMALL, sizes, jitter=jitter, **kwargs)
+    added = with_stragglers(plain, jitter)
+    for a, d, p in zip(added["ddp"], direct["ddp"], plain["ddp"]):
+        assert p.straggler == 0.0
+        assert a.straggler == pytest.approx(d.straggler, rel=1e-12) and a.step == pytest.approx(d.step, rel=1e-12)
+        assert dataclasses.replace(a, straggler=0.0, step=p.step) == p  # nothing else changed
+    assert added["ddp"][1].straggler > added["ddp"][0].straggler > 0  # the slowest of 16 is slower than of 2
+    table = format_step_times(added)
+    assert table.count("\nddp") == 2 and "modelled" in table
+
+
+def test_format_assumptions_prints_every_assumption_and_the_inputs():
+    text = format_assumptions(peak_flops=100e12, utilisation=0.5, link=LINKS["ethernet100"])
+    assert all(a in text for a in ASSUMPTIONS)
+    assert "100 TFLOP/s peak at 50% utilisation" in text and "12.5 GB/s" in text and "10 us" in text
