@@ -301,3 +301,20 @@ def test_the_lesson_measures_each_lever_against_its_baseline():
     assert "bf16 optimizer state" in format_levers(rows) and "+0%" in format_levers(rows)
     with pytest.raises(ValueError, match="no lever named"):
         lever_named("lion", cfg)
+
+
+def test_the_stored_compile_record_is_of_the_notebooks_step(tmp_path):
+    """Notebook 10 prints the recorded torch.compile peaks when it does not compile: they must be of its own step."""
+    import json
+
+    from anatomy_helpers.lessons.optimizations import COMPILE_REFERENCE, LOGITS_BATCH, LOGITS_BOUND
+    from anatomy_helpers.lessons.optimizations import stored_compile_memory as stored
+
+    record = stored()
+    assert record is not None and record["config"] == LOGITS_BOUND and record["batch_size"] == LOGITS_BATCH
+    assert set(record["peaks"]) == {"eager", "compiled"} and all(v > 0 for v in record["peaks"].values())
+    assert stored(tmp_path / "missing.json") is None
+    other = dict(json.loads(COMPILE_REFERENCE.read_text()), batch_size=LOGITS_BATCH + 1)
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="record_compile_reference"):
+        stored(tmp_path / "other.json")

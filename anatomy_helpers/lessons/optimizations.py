@@ -8,7 +8,9 @@ otherwise.
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +29,8 @@ OPTIMIZER_BATCH = 1
 #: A step whose backward runs out: a large vocabulary (its fp32 logits and their gradient dominate).
 LOGITS_BOUND = dict(n_layer=1, d_model=32, n_head=2, seq_len=64, vocab_size=4096)
 LOGITS_BATCH = 4
+#: compile_memory on LOGITS_BOUND, recorded by scripts/record_compile_reference.py (package data: Colab has it too).
+COMPILE_REFERENCE = Path(__file__).with_name("compile_reference.json")
 
 BASELINE = Lever("baseline (AdamW)", (), "time only", "the step as it is")
 #: Levers the notebook measures beside prediction/levers.py's: one that costs memory, and a library's 8-bit state.
@@ -184,8 +188,8 @@ def loss_gap(cfg: dict, names: tuple[str, ...], steps: int = 30, batch_size: int
 def compile_memory(cfg: dict, batch_size: int, device=None) -> dict[str, int]:
     """The peak of torch.profiler's memory timeline (bytes) over two profiled training steps, eager and under
     ``torch.compile`` (inductor), the same model, batch and optimizer: the tracker cannot see inside a compiled graph
-    (its dispatch mode makes Dynamo skip every frame), the profiler's allocator events can. Compiling takes minutes
-    on a CPU; the notebook runs it only when asked."""
+    (its dispatch mode makes Dynamo skip every frame), the profiler's allocator events can. Compiling takes tens of
+    seconds to minutes on a CPU; the notebook runs it only when asked (else :func:`stored_compile_memory`)."""
     import tempfile
     import warnings
 
@@ -215,3 +219,18 @@ def compile_memory(cfg: dict, batch_size: int, device=None) -> dict[str, int]:
             prof.export_memory_timeline(f"{tmp}/timeline.json", device=where)
             peaks[name] = int(load_memory_timeline(f"{tmp}/timeline.json").total.max())
     return peaks
+
+
+def stored_compile_memory(path: Path = COMPILE_REFERENCE) -> dict | None:
+    """The recorded :func:`compile_memory` of the notebook's logits-bound step (``peaks``: bytes, eager and compiled,
+    with what they were measured on: ``torch``, ``platform``, ``recorded``, ``seconds``), or None if none is stored.
+    ValueError if the record is of another configuration than the notebook's."""
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if record["config"] != LOGITS_BOUND or record["batch_size"] != LOGITS_BATCH:
+        raise ValueError(
+            f"{path.name} was recorded for {record['config']} batch {record['batch_size']}, not the notebook's "
+            f"{LOGITS_BOUND} batch {LOGITS_BATCH}: run scripts/record_compile_reference.py again"
+        )
+    return record
