@@ -218,7 +218,7 @@ class _Refs(html.parser.HTMLParser):
         for key, value in attrs:
             if key in ("id", "name") and value:
                 self.ids.add(value)
-            if key in ("href", "src") and value and not (tag == "link" and key == "href" and "preload" in str(attrs)):
+            if key in ("href", "src") and value:
                 self.refs.append((key, value))
 
 
