@@ -395,7 +395,7 @@ def test_the_panel_shows_before_and_after_on_one_scale(capsys):
     before = plain_peak(OPTIMIZER_BOUND, OPTIMIZER_BATCH)
     model = make_model(device="cpu", **OPTIMIZER_BOUND)
     after = track_steps(model, make_optimizer(model, in_backward=True), 2, OPTIMIZER_BATCH).peak().bytes
-    assert f"{before:,} B" in out and f"{after:,} B" in out and f"saves {before - after:,} B" in out
+    assert f"{before:,} B" in out and f"{after:,} B" in out and f"by {after - before:+,} B" in out
     assert len(fig.axes) == 2 and fig.axes[0].get_ylim() == fig.axes[1].get_ylim()
     alone = lever_panel("optimizer-bound", "micro-batches", device="cpu")  # a one-row batch cannot be split
     assert "does not apply" in capsys.readouterr().out and len(alone.axes) == 1

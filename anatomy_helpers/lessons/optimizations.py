@@ -418,10 +418,11 @@ def lever_panel(config: str = "optimizer-bound", lever: str = "optimizer step in
     cfg, batch = CONFIGS[config]
     chosen = lever_named(lever, cfg)
     runs = {BASELINE.name: lever_run(cfg, batch, BASELINE, device=device)}
+    refused = ""
     try:
         runs[chosen.name] = lever_run(cfg, batch, chosen, device=device)
-    except ValueError as e:
-        print(f"{chosen.name} does not apply to the {config} step (batch {batch}): {e}")
+    except ValueError as e:  # the step cannot take it (StepPlan's check): say why, show the baseline alone
+        refused = f"  {chosen.name} does not apply to this step: {e}"
     print(f"the {config} step, batch {batch}:")
     for name, run in runs.items():
         pk, category = dominant(run.trace)
@@ -430,8 +431,10 @@ def lever_panel(config: str = "optimizer-bound", lever: str = "optimizer step in
             f"  {name:<30} peak {pk.bytes:>11,} B ({pk.bytes / MiB:6.2f} MiB) in step {pk.step}'s {pk.phase} phase, "
             f"dominant {category}{cuda}"
         )
-    traces = {name: run.trace for name, run in runs.items()}
-    if len(runs) == 2:
+    if refused:
+        print(refused)
+    else:
         before, after = (run.trace.peak().bytes for run in runs.values())
-        print(f"  the lever saves {before - after:,} B ({after / before - 1:+.0%})")
+        print(f"  the lever moves the peak by {after - before:+,} B ({after / before - 1:+.0%})")
+    traces = {name: run.trace for name, run in runs.items()}
     return plot_timelines(traces, title=f"the {config} step: {chosen.name}")
