@@ -225,7 +225,7 @@ def format_levers(rows: list[LeverRow]) -> str:
             r.state_per_param,
             r.extra_flops,
             "yes" if r.changes_training else "no",
-            *([r.max_allocated / scale] if cuda else []),
+            *([None if r.max_allocated is None else r.max_allocated / scale] if cuda else []),
         )
         for r in rows
     ]
