@@ -423,14 +423,12 @@ def lever_panel(config: str = "optimizer-bound", lever: str = "optimizer step in
         runs[chosen.name] = lever_run(cfg, batch, chosen, device=device)
     except ValueError as e:  # the step cannot take it (StepPlan's check): say why, show the baseline alone
         refused = f"  {chosen.name} does not apply to this step: {e}"
-    print(f"the {config} step, batch {batch}:")
-    for name, run in runs.items():
+    print(f"the {config} step, batch {batch}: each run's peak, the phase holding it, the category dominating it")
+    for name, run in runs.items():  # lines short enough not to wrap in a notebook's output
         pk, category = dominant(run.trace)
-        cuda = "" if run.max_allocated is None else f"; max_memory_allocated {run.max_allocated:,} B"
-        print(
-            f"  {name:<30} peak {pk.bytes:>11,} B ({pk.bytes / MiB:6.2f} MiB) in step {pk.step}'s {pk.phase} phase, "
-            f"dominant {category}{cuda}"
-        )
+        print(f"  {name:<28} {pk.bytes:>11,} B ({pk.bytes / MiB:5.2f} MiB)  step {pk.step} {pk.phase:<9} {category}")
+        if run.max_allocated is not None:
+            print(f"  {'':<28} {run.max_allocated:>11,} B: CUDA max_memory_allocated")
     if refused:
         print(refused)
     else:
