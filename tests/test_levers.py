@@ -413,3 +413,16 @@ def test_on_cuda_lever_runs_report_the_allocators_peak_and_offload_lowers_it():
     offload = lever_run(LOGITS_BOUND, LOGITS_BATCH, OFFLOAD, device="cuda")
     assert base.max_allocated >= base.trace.peak().bytes  # every tracked byte, rounded up by the allocator
     assert offload.max_allocated < base.max_allocated  # the blocks' saved tensors wait in host memory
+
+
+def test_save_on_cpu_keeps_a_cpu_tensor_itself():
+    """Why checkpointing.offload_context enters save_on_cpu only on a GPU: on a CPU its pack hook (``tensor.cpu()``)
+    hands back the same storage, so nothing moves and nothing is copied."""
+    x = torch.randn(256, requires_grad=True)
+    with torch.autograd.graph.save_on_cpu():
+        y = x.sin()
+    assert y.grad_fn._saved_self.data_ptr() == x.data_ptr()
+    with torch.autograd.graph.save_on_cpu():
+        t = x * 2
+        z = t.sin()  # a tensor saved mid-graph: the very same storage too
+    assert z.grad_fn._saved_self.data_ptr() == t.data_ptr()
