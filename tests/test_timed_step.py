@@ -43,14 +43,16 @@ def ranks():
 
 
 def test_our_bucket_split_is_torchs_own():
-    sizes = [int(s) for s in torch.randint(1, 600_000, (40,))]
-    order = [int(i) for i in torch.randperm(40)]
-    tensors = [torch.empty(s // 4 + 1) for s in sizes]
+    gen = torch.Generator().manual_seed(0)
+    numels = [int(s) for s in torch.randint(1, 150_000, (40,), generator=gen)] + [1 << 18] * 4  # 1 MiB: a full cap
+    order = [int(i) for i in torch.randperm(len(numels), generator=gen)]
+    tensors = [torch.empty(n) for n in numels]
     sizes = [t.nbytes for t in tensors]
     for cap_mb in (None, 0.25, 1, 25):
         caps = [1 << 20, 25 << 20] if cap_mb is None else [int(cap_mb * (1 << 20))]
         theirs, _ = dist._compute_bucket_assignment_by_size([tensors[i] for i in order], caps, [], order)
         assert ddp_buckets(sizes, order, cap_mb) == theirs, cap_mb
+    assert ddp_buckets([1 << 20] * 3, [2, 1, 0], 1) == [[2], [1], [0]]  # a bucket exactly at its cap closes
     with pytest.raises(ValueError, match="each of the 3 parameters once"):
         ddp_buckets([4, 4, 4], [0, 1, 1])
     with pytest.raises(ValueError, match="bucket_cap_mb"):
@@ -101,10 +103,23 @@ def test_the_model_fed_measured_compute_brackets_the_measured_step(ranks):
     assert "model idle" in table and "step" in table
 
 
+def test_the_timeline_plot_draws_every_rank_and_bucket(ranks):
+    from anatomy_helpers.lessons.scale import plot_timed_step
+
+    fig = plot_timed_step(ranks)
+    synced, straggler = fig.axes[:2]
+    assert [t.get_text() for t in synced.get_yticklabels()] == ["rank 0", "rank 1"]
+    buckets = len(ranks[0].bucket_sizes)
+    assert len(straggler.lines) == 2 * 2 * buckets  # each bucket: a span and its issue mark, on each rank
+    assert "ms" in straggler.get_xlabel() and fig._repr_png_()[:4] == b"\x89PNG"
+
+
 def test_no_process_or_port_is_left(ranks):
     assert all(_gone(r.pid) for r in ranks)
-    with socket.socket() as s:
+    with socket.socket() as s:  # no listener (the store's connections may linger in TIME_WAIT, which this allows)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", ranks[0].port))
+        s.listen()
 
 
 def test_fit_link_recovers_alpha_and_beta():

@@ -320,17 +320,20 @@ def fitted_links(ranks: Sequence[RankTimes]) -> dict[str, Link]:
 
 
 def model_vs_measured(ranks: Sequence[RankTimes]) -> list[Check]:
-    """The model fed what this world measured: the compute steps' forward, backward (no all-reduce) and optimizer,
-    DDP's buckets in the order it issued them, and each fitted link (:func:`fitted_links`); against the synced
-    steps: the all-reduces' busy time, the exposed wait and the step."""
+    """The model fed what this world measured: the compute steps' forward, backward (no all-reduce) and the rest of
+    their step (optimizer, batch), DDP's buckets in the order it issued them, and each fitted link
+    (:func:`fitted_links`); against the synced steps: the all-reduces' busy time, the exposed wait and the step."""
 
     def med(kind, what):
         return float(np.median([r.median(kind, what) for r in ranks]))
 
     collectives = [Collective(0, 0.0, 0, "backward", "allreduce_", b) for b in ranks[0].bucket_sizes]
-    compute = dict(forward=med("compute", "forward"), backward=med("compute", "backward"))
+    forward, backward = med("compute", "forward"), med("compute", "backward")
+    rest = med("compute", "step") - forward - backward  # the optimizer, and fetching the batch
     model = {
-        name: price_step(collectives, ranks[0].world_size, optimizer=med("compute", "optimizer"), link=link, **compute)
+        name: price_step(
+            collectives, ranks[0].world_size, forward=forward, backward=backward, optimizer=rest, link=link
+        )
         for name, link in fitted_links(ranks).items()
     }
     return [
