@@ -65,7 +65,10 @@ class TimedJob:
             raise ValueError(f"sweep_bytes must be multiples of 4 bytes (float32 elements), got {self.sweep_bytes!r}")
 
     def run_rank(self, rank: int, world_size: int, device: torch.device) -> RankTimes:
-        """This rank's part (called by the runner's worker inside the process group)."""
+        """This rank's part (called by the runner's worker inside the process group). CPU ranks only: the clocks
+        here are host clocks, which a GPU's asynchronous kernels would outrun."""
+        if device.type != "cpu":
+            raise ValueError(f"TimedJob times CPU ranks (gloo) with host clocks; got a {device.type} rank")
         return _run_rank(self, rank, world_size, device)
 
 
