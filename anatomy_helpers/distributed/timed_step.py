@@ -3,8 +3,10 @@
 One :class:`TimedJob` runs on every rank of a :func:`~anatomy_helpers.distributed.world.run_world` world (the same
 runner lesson 08 uses: a free port, every process stopped on the way out) and measures, on this machine:
 
-* the link: the median time of one all-reduce at sizes from 4 KiB to 16 MiB, to which :func:`fit_link` fits the
-  alpha-beta cost :func:`~anatomy_helpers.distributed.sync_model.ring_seconds` uses (latency and bandwidth);
+* the link: the time of one all-reduce at sizes from 4 KiB to 16 MiB, to whose medians :func:`fit_link` fits the
+  alpha-beta cost :func:`~anatomy_helpers.distributed.sync_model.ring_seconds` uses (latency and bandwidth), once
+  with the rank idle and once with it multiplying matrices until the all-reduce is done ("busy": on a CPU, gloo's
+  threads need the cores that backward computes on, which the model's overlap does not foresee);
 * three kinds of steps, interleaved so that they share the machine's load: "synced" (plain DDP), "compute" (the
   same step under ``no_sync()``: no all-reduce, the compute alone) and "straggler" (synced, the last rank sleeping
   ``straggler_s`` at the start of its backward, a slow device);
@@ -14,12 +16,14 @@ runner lesson 08 uses: a free port, every process stopped on the way out) and me
 
 What a rank waits inside backward after its own compute is done is its *exposed* communication: backward's wall
 time minus the moment its last bucket was issued (the last gradient ready). :func:`model_vs_measured` feeds the
-model the compute steps' times, the buckets DDP built and the fitted link, and sets its step and exposed time
-beside the synced steps' (:func:`format_model_vs_measured`). Seconds and bytes.
+model the compute steps' times, the buckets DDP built and each fitted link, and sets its step and exposed time
+beside the synced steps' (:func:`format_model_vs_measured`): on a CPU the idle link's model is a lower bound and
+the busy link's an upper one. Seconds and bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -144,8 +148,6 @@ class _Timer(StepHooks):
         self.backward_start = 0.0
 
     def phase(self, name: str):
-        import contextlib
-
         @contextlib.contextmanager
         def timed():
             start = time.perf_counter()
