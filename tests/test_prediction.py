@@ -14,6 +14,7 @@ from anatomy_helpers.lessons.prediction import fit_panel
 from anatomy_helpers.model import GPT, ModelConfig
 from anatomy_helpers.plots import DEVICE_LINE_RANGE, plot_fit
 from anatomy_helpers.prediction.allocator import min_limit_to_pass
+from anatomy_helpers.prediction.cuda_rules import CudaRuleError
 from anatomy_helpers.prediction.devices import CUDA_CONTEXT_BYTES, DEVICES, device_names, get_device, gib_device
 from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config
 from anatomy_helpers.prediction.fit import FitRequest, will_it_fit
@@ -211,8 +212,10 @@ def test_training_preserving_fixes_rank_first_and_the_t4_gets_fp16():
     # the same dry run as the micro-batch's, without what accumulation adds
     micro = t4[0]
     assert smaller.report.peak.tensors < micro.report.peak.tensors
-    a100 = [f.name for f in cheapest_fix(GPT2_SMALL, 12, device="a100-40")]
+    # which autocast is offered depends on the device alone: a small model shows it at a fraction of the cost
+    a100 = [f.name for f in cheapest_fix(ModelConfig(**SMALL), 2, device="a100-40")]
     assert "bf16 autocast" in a100 and not any(n.startswith("fp16") for n in a100)
+    assert "fp16 autocast + GradScaler" in [f.name for f in cheapest_fix(ModelConfig(**SMALL), 2, device="t4")]
 
 
 def test_bf16_on_a_t4_gets_a_note():
@@ -266,6 +269,17 @@ def test_plot_and_panel(capsys):
     assert isinstance(fig, Figure) and "MiB" in ax.get_ylabel() and ax.get_title()
     assert isinstance(fit_panel(batch_size=1), Figure)
     assert "usable on T4" in capsys.readouterr().out
+
+
+def test_the_panel_says_when_no_cuda_rule_states_a_combination_and_shows_the_cpu_rules(capsys):
+    """A learner can reach combinations the CUDA rules refuse (a bf16 model under bf16 autocast; the browser test
+    moved there): the panel says why instead of a traceback, and draws the dry run by the CPU kernels' rules."""
+    with pytest.raises(CudaRuleError):
+        will_it_fit(ModelConfig(dtype="bfloat16", seq_len=64), 1, autocast="bfloat16", device="t4")
+    fig = fit_panel(batch_size=1, seq_len=64, dtype="bfloat16", autocast="bfloat16", device="t4")
+    out = capsys.readouterr().out
+    assert isinstance(fig, Figure) and out.startswith("No prediction for t4: autocast over a bfloat16 model")
+    assert "rules: CPU kernels" in out and "15.00 GiB device" in out
 
 
 def _horizontal_lines(ax) -> list[float]:

@@ -13,6 +13,8 @@ import numpy as np
 
 from ..model import ModelConfig
 from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure, plot_fit
+from ..prediction.cuda_rules import CudaRuleError
+from ..prediction.devices import get_device
 from ..prediction.dryrun import dry_run_config
 from ..prediction.estimate import estimate_step, impl_of, textbook_estimates
 from ..prediction.fit import STEP_PHASES, describe, will_it_fit
@@ -20,7 +22,7 @@ from ..tables import Col, format_table
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..train import make_model, make_optimizer, track_steps
-from ..units import MiB, pick_unit
+from ..units import GiB, MiB, pick_unit
 
 #: Model shapes for the panel (ModelConfig fields); ``block`` is chosen separately. The vocabulary is GPT-2's
 #: (50,304, padded) for every shape but the toy, whose is the course text's.
@@ -204,14 +206,14 @@ def fit_panel(
         checkpoint=checkpoint,
         attn_impl="sdpa" if shape != "toy (4 x 256)" else "manual",
     )
-    report = will_it_fit(
-        cfg,
-        batch_size,
-        optimizer=optimizer,
-        implementation=implementation,
-        autocast=None if autocast == "none" else autocast,
-        device=device,
-    )
+    options = dict(optimizer=optimizer, implementation=implementation, autocast=None if autocast == "none" else autocast)
+    try:
+        report = will_it_fit(cfg, batch_size, device=device, **options)
+    except CudaRuleError as why:  # a combination no CUDA rule states: say so, and show what can be said
+        total = get_device(device).total
+        print(f"No prediction for {device}: {why}.\nShown instead: the dry run by the CPU kernels' rules against "
+              f"{device}'s {total / GiB:.1f} GiB.")  # fmt: skip
+        report = will_it_fit(cfg, batch_size, device=total, **options)
     print(report.table())
     fig = plot_fit(report)
     # what the verdict rests on, for the panel's digest (widgets.figure_digest): the device's memory changes the
