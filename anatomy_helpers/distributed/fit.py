@@ -166,27 +166,40 @@ def from_records(records: list[dict]) -> list[RankMemory]:
     return [RankMemory(**r) for r in records]
 
 
-def format_fit_table(rows: list[RankMemory], device_bytes: int = DEVICE_BYTES) -> str:
-    """One rank's memory (GiB) per shape, strategy and N, and whether its peak fits a ``device_bytes`` device."""
+def format_fit_table(rows: list[RankMemory], device_bytes: int | None = DEVICE_BYTES, unit: str = "GiB") -> str:
+    """One rank's memory per shape, strategy and N (``unit``: "GiB" or "KiB"), and whether its peak fits a
+    ``device_bytes`` device (None: no such column)."""
     from ..tables import Col, format_table
-    from ..units import GiB
+    from ..units import GiB, KiB
 
+    scale = {"GiB": GiB, "KiB": KiB}[unit]
     cols = [
-        Col("model", 5, align="<"),
+        Col("model", 9, align="<"),
         Col("strategy", 12, align="<"),
         Col("N", 5, "d"),
-        Col("params", 8, ",.2f"),
-        Col("grads", 8, ",.2f"),
-        Col("opt state", 9, ",.2f"),
-        Col("activations", 11, ",.2f"),
-        Col("comm peak", 9, ",.2f"),
-        Col("peak", 8, ",.2f"),
-        Col("fits", 4, align="<", gap="  "),
+        Col("params", 8, ",.2f" if unit == "GiB" else ",.0f"),
+        Col("grads", 8, ",.2f" if unit == "GiB" else ",.0f"),
+        Col("opt state", 9, ",.2f" if unit == "GiB" else ",.0f"),
+        Col("activations", 11, ",.2f" if unit == "GiB" else ",.0f"),
+        Col("comm peak", 9, ",.2f" if unit == "GiB" else ",.0f"),
+        Col("peak", 8, ",.2f" if unit == "GiB" else ",.0f"),
     ]
-    out = [
-        [r.model, r.label, r.world_size]
-        + [getattr(r, f) / GiB for f in FIGURES]
-        + ["yes" if r.peak <= device_bytes else "no"]
-        for r in rows
-    ]
-    return format_table(cols, out, note=f"(GiB per rank; fits: peak <= {device_bytes / 1e9:.0f} GB)")
+    out = [[r.model, r.label, r.world_size] + [getattr(r, f) / scale for f in FIGURES] for r in rows]
+    note = f"({unit} per rank)"
+    if device_bytes is not None:
+        cols.append(Col("fits", 4, align="<", gap="  "))
+        for row, r in zip(out, rows):
+            row.append("yes" if r.peak <= device_bytes else "no")
+        note = f"({unit} per rank; fits: peak <= {device_bytes / 1e9:.0f} GB)"
+    return format_table(cols, out, note=note)
+
+
+def smallest_fitting_n(rows: list[RankMemory], device_bytes: int = DEVICE_BYTES) -> dict[tuple[str, str], int | None]:
+    """``{(model, strategy label): the smallest N of the rows whose peak fits a device_bytes device, or None}``."""
+    out: dict[tuple[str, str], int | None] = {}
+    for r in rows:
+        key = (r.model, r.label)
+        out.setdefault(key, None)
+        if r.peak <= device_bytes and (out[key] is None or r.world_size < out[key]):
+            out[key] = r.world_size
+    return out
