@@ -132,6 +132,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") and hasattr(t, "device_mesh") else t
 
 
+#: DTensor's functional collectives (torch.ops._c10d_functional), noted as collectives: not its wait_tensor, nor
+#: the autograd wrapper a real process group adds around their outputs.
+FUNCTIONAL_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
 class _Collectives(TorchDispatchMode):
     """Sees each c10d op with its arguments (inside the tracker's own mode): marks its buffers and notes it."""
 
@@ -145,6 +150,8 @@ class _Collectives(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d":
             tracker._on_collective(func, args, out)
+        elif func.namespace == "_c10d_functional" and func._schema.name.split("::")[-1] in FUNCTIONAL_COLLECTIVES:
+            tracker._on_collective(func, args, out, mark=False)  # DTensor's (TP): noted, its tensors left as they are
         return out
 
 
@@ -206,10 +213,10 @@ class RankTracker(StepTracker):
             if alloc_id is not None:
                 self.resize(alloc_id, t.untyped_storage().nbytes())
 
-    def _on_collective(self, func, args, out) -> None:
+    def _on_collective(self, func, args, out, mark: bool = True) -> None:
         if not self.recording:
             return
-        for t in _flat(args):
+        for t in _flat(args) if mark else ():
             if isinstance(t, torch.Tensor):
                 self.mark(t, COMMUNICATION)
         outs = [o for o in _flat(out) if isinstance(o, torch.Tensor)]
