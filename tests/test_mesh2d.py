@@ -144,3 +144,30 @@ def test_bad_input_is_refused_before_anything_starts(call, message):
         call()
     assert not dist.is_initialized()
     assert torch.empty(1).device.type == "cpu"  # no fake mode left behind
+
+
+# ---- the stored 7B / 70B table (scripts/record_fit.py) ------------------------------------------------------------
+
+
+def test_the_stored_fit_table_is_of_the_current_shapes_and_rules():
+    """Re-record (scripts/record_fit.py) when a shape, the base or a rule changes: the record must say what it is."""
+    from anatomy_helpers.distributed.fit import FIT_STRATEGIES, FIT_WORLD_SIZES, SHAPES
+    from anatomy_helpers.lessons.scale import FIT_BASE, stored_fit
+
+    rows, made = stored_fit()
+    assert made["shapes"] == SHAPES and made["base"] == FIT_BASE
+    assert {(r.model, r.strategy, r.tp, r.world_size) for r in rows} == {
+        (m, s, tp, n) for m in SHAPES for s, tp in FIT_STRATEGIES for n in FIT_WORLD_SIZES
+    }
+    assert all(r.peak >= r.model_states for r in rows)
+
+
+def test_smallest_fitting_n_takes_the_smallest_n_whose_peak_fits():
+    from anatomy_helpers.distributed.fit import RankMemory, smallest_fitting_n
+
+    def row(n, peak, strategy="ddp"):
+        return RankMemory("m", strategy, 1, n, 0, 0, 0, 0, 0, peak)
+
+    rows = [row(4096, 5), row(8, 20), row(1024, 10), row(8, 11, "zero1")]
+    assert smallest_fitting_n(rows, device_bytes=10) == {("m", "ddp"): 1024, ("m", "zero1"): None}
+    assert smallest_fitting_n(rows, device_bytes=20)[("m", "ddp")] == 8
