@@ -408,6 +408,21 @@ MUTANTS = [
         "        start = done",
         ("tests/test_sync_model.py::test_backward_all_reduces_hide_behind_backward_but_the_last",),
     ),
+    # ---- the 2-D mesh (mesh2d.py, fake_world.mesh_states_rule) and the per-block scaling (fit.py)
+    Mutant(
+        "mesh2d.dp-rank-from-the-tp-coordinate",
+        "distributed/fake_world.py",
+        "    dp_rank = rank // tp",
+        "    dp_rank = rank % tp",
+        ("tests/test_mesh2d.py::test_the_rules_at_large_n_equal_the_shapes",),
+    ),
+    Mutant(
+        "fit.one-block-short",
+        "distributed/fit.py",
+        "return a + (layers - base) * (b - a)",
+        "return a + (layers - base - 1) * (b - a)",
+        ("tests/test_mesh2d.py::test_per_block_scaling_equals_the_full_dry_run",),
+    ),
 ]
 
 

@@ -36,9 +36,12 @@ def job(strategy: str, world_size: int, rows_per_rank: int = 1) -> RankJob:
     return RankJob(strategy, steps=1, batch_size=rows_per_rank * world_size, model=dict(SMALL))
 
 
+MESH_JOB = RankJob("tp_fsdp", steps=1, batch_size=WORLD, model=dict(SMALL), tp=2)  # 2-D: 2 nodes of 2 ranks
+
+
 @pytest.fixture(scope="module")
 def world4():
-    return run_world([job(s, WORLD) for s in STRATEGIES], WORLD)
+    return run_world([job(s, WORLD) for s in STRATEGIES] + [MESH_JOB], WORLD)
 
 
 def model_states(result) -> dict[str, int]:
@@ -208,3 +211,11 @@ def test_an_fsdp_rank_is_exact_as_the_first_dry_run_of_a_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) == model_states_rule(SMALL, "fsdp2_zero3", 2, 1)["optimizer_state"]
+
+
+@pytest.mark.parametrize("rank", [0, WORLD - 1])
+def test_a_fake_2d_rank_equals_its_real_gloo_rank_byte_for_byte(world4, rank):
+    """TP x FSDP2 on a (2, 2) mesh (distributed/mesh2d.py): the first rank of the first node, the last of the last."""
+    real = world4["tp_fsdp"][rank]
+    assert real.backend == "gloo" and real.world_size == WORLD
+    assert rank_differences(real, dry_run_rank(MESH_JOB, WORLD, rank).result, gloo_late_frees=True) == {}

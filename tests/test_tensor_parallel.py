@@ -111,6 +111,23 @@ def test_two_real_gloo_ranks_keep_what_the_dry_run_says_byte_for_byte(runs):
             assert layer_parts(rank.trace) == layer_parts(fake), (strategy, rank.rank)
             acts = rank.trace.timeline.category("activations").max()
             assert acts == fake.timeline.category("activations").max()
+            assert [(c.phase, c.op, c.bytes) for c in rank.collectives] == [
+                (c.phase, c.op, c.bytes) for c in runs[(2, sp)].collectives
+            ], (strategy, rank.rank)
+
+
+def test_dtensors_collectives_are_recorded_as_megatron_counts_them(runs):
+    """TP: two all-reduces of the residual stream (s x b x h, 16-bit) per block in forward and two in backward;
+    with sequence parallelism, no all-reduce in forward: each becomes a reduce-scatter (and an all-gather)."""
+    stream = CFG.seq_len * BATCH * CFG.d_model * 2
+    for t in (2, 8):
+        tp = [(c.phase, c.op, c.bytes) for c in runs[(t, False)].collectives]
+        per_phase = 2 * CFG.n_layer
+        assert tp == [("forward", "all_reduce", stream)] * per_phase + [("backward", "all_reduce", stream)] * per_phase
+        sp = [(c.phase, c.op) for c in runs[(t, True)].collectives]
+        assert ("forward", "all_reduce") not in sp
+        assert sp.count(("forward", "reduce_scatter_tensor")) == per_phase
+    assert runs[(1, False)].collectives == []
 
 
 def test_dtensors_cpu_rng_warning_is_silenced_inside_the_dry_run_only():

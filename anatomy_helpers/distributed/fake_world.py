@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from ..interrupts import DeferredInterrupt
 from ..model import GPT, ModelConfig
 from ..prediction.dryrun import build_fake_model, course_batch
-from .ranks import RankJob, RankResult, run_job
+from .ranks import MESH_STRATEGIES, RankJob, RankResult, run_job
 
 #: What a fake rank cannot do as a real one does, and the rule used instead (each one leaves the bytes unchanged;
 #: tests/test_fake_world.py checks the tables against real gloo ranks byte for byte).
@@ -83,10 +84,17 @@ def _check(job: RankJob, world_size: int, rank: int, *, fake: bool = True) -> No
         raise ValueError(f"world_size must be an integer from 1 to {MAX_WORLD_SIZE:,}, got {world_size!r}")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size) = [0, {world_size}), got {rank!r}")
-    if job.batch_size % (world_size * job.micro_batches):
+    ways, what = world_size, "world_size"
+    if job.strategy in MESH_STRATEGIES:  # a 2-D mesh: the N / tp nodes split the batch, a node's ranks share it
+        from .mesh2d import check_mesh
+        from .tp_plan import check_tp
+
+        ways, what = check_mesh(world_size, job.tp), "the N / tp nodes"
+        check_tp(ModelConfig(**job.model), job.tp)
+    if job.batch_size % (ways * job.micro_batches):
         raise ValueError(
-            f"{job.strategy}: the global batch ({job.batch_size}) must be a multiple of world_size x micro_batches "
-            f"({world_size} x {job.micro_batches}), so every rank trains as many rows"
+            f"{job.strategy}: the global batch ({job.batch_size}) must be a multiple of {what} x micro_batches "
+            f"({ways} x {job.micro_batches}), so every rank trains as many rows"
         )
     if not fake:
         return
@@ -158,6 +166,10 @@ def _fake_rank(job: RankJob, cfg: ModelConfig, world_size: int, rank: int) -> tu
                 from torch.distributed.device_mesh import init_device_mesh
 
                 mesh = init_device_mesh("cpu", (world_size,))
+            elif job.strategy in MESH_STRATEGIES:
+                from .mesh2d import make_mesh
+
+                mesh = make_mesh("cpu", world_size, job.tp)
             with mode:
                 result = run_job(
                     job,
@@ -241,6 +253,43 @@ def model_states_rule(model: dict, strategy: str, world_size: int, rank: int = 0
         "gradients": whole,
         "optimizer_state": sum(2 * params[i].numel() * size[i] + STEP_BYTES for i in mine),
     }
+
+
+def mesh_states_rule(model: dict, world_size: int, tp: int, rank: int = 0) -> dict[str, int]:
+    """Rank ``rank``'s parameters, gradients and optimizer state just before its optimizer step under "tp_fsdp"
+    (bytes), from the course GPT's shapes alone:
+
+    * TP: a parameter :func:`tp_split_dims` names keeps ``1/tp`` of that dim (whole heads: check_tp), the others
+      stay whole on every TP rank;
+    * FSDP2 over the ``N / tp`` nodes, on that local tensor: its dim 0 chunked and padded to ``ceil(dim0 / dp)``
+      rows (parameters and gradients), the AdamW moments over the rows really held, a 4-byte "step" for every
+      parameter; the buffers (the causal masks) whole, counted as parameters.
+
+    With no whole (replicated) parameters and no padding this is the ZeRO-3 formula at N = tp x dp ranks."""
+    from .mesh2d import check_mesh, tp_split_dims
+    from .tp_plan import check_tp
+
+    dp = check_mesh(world_size, tp)
+    _check(RankJob("tp_fsdp", batch_size=dp, model=dict(model), tp=tp), world_size, rank, fake=False)
+    cfg = ModelConfig(**model)
+    check_tp(cfg, tp)
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+    split = tp_split_dims()
+    dp_rank = rank // tp
+    params = grads = moments = 0
+    for name, p in gpt.named_parameters():
+        shape = list(p.shape)
+        dim = split.get(name.split(".", 2)[-1]) if name.startswith("blocks.") else None
+        if dim is not None:
+            shape[dim] //= tp
+        held, padded = fsdp_rows(shape[0], dp, dp_rank)
+        row = p.element_size() * math.prod(shape[1:])  # bytes of one dim-0 row of the TP-local shard
+        params += padded * row
+        grads += padded * row
+        moments += 2 * held * row + STEP_BYTES
+    buffers = sum(b.untyped_storage().nbytes() for b in gpt.buffers())
+    return {"parameters": params + buffers, "gradients": grads, "optimizer_state": moments}
 
 
 # ---- a fake rank against a real one, and the per-rank table at any N ----------------------------------------------

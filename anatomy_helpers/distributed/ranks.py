@@ -50,6 +50,8 @@ STRATEGIES = {
 #: Tensor parallelism over all ranks (distributed/tensor_parallel.py): every rank trains the same rows. Kept apart
 #: from STRATEGIES, which lesson 08 runs and tabulates against the ZeRO formulas.
 TP_STRATEGIES = {"tp": "tensor parallelism (parallelize_module)", "tp_sp": "tensor + sequence parallelism"}
+#: 2-D: RankJob.tp-way TP inside a node x FSDP2 (ZeRO-3-like) across the N / tp nodes (distributed/mesh2d.py).
+MESH_STRATEGIES = {"tp_fsdp": "TP inside a node x FSDP2 across nodes (2-D mesh)"}
 FAULTS = ("raise", "exit", "kill", "hang")  # for testing the runner: what the faulty rank does
 LR, WEIGHT_DECAY = 1e-3, 0.1  # make_optimizer's AdamW
 
@@ -67,11 +69,15 @@ class RankJob:
     straggler_s: float = 0.0  # the last rank sleeps this long at the end of each tracked forward
     fault: str | None = None  # testing the runner: FAULTS, on rank fault_rank, after the process group is up
     fault_rank: int = 1
+    tp: int = 1  # "tp_fsdp": the TP degree (ranks per node); N / tp nodes shard with FSDP2
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES and self.strategy not in TP_STRATEGIES:
-            raise ValueError(f"strategy must be one of {(*STRATEGIES, *TP_STRATEGIES)}, got {self.strategy!r}")
-        for name in ("steps", "batch_size", "micro_batches", "warmup"):
+        known = (*STRATEGIES, *TP_STRATEGIES, *MESH_STRATEGIES)
+        if self.strategy not in known:
+            raise ValueError(f"strategy must be one of {known}, got {self.strategy!r}")
+        if self.tp != 1 and self.strategy not in MESH_STRATEGIES:
+            raise ValueError(f"RankJob.tp is the TP degree of a 2-D mesh ({tuple(MESH_STRATEGIES)}), got {self.tp!r}")
+        for name in ("steps", "batch_size", "micro_batches", "warmup", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "warmup" else 1):
                 raise ValueError(
@@ -126,6 +132,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") and hasattr(t, "device_mesh") else t
 
 
+#: DTensor's functional collectives (torch.ops._c10d_functional), noted as collectives: not its wait_tensor, nor
+#: the autograd wrapper a real process group adds around their outputs.
+FUNCTIONAL_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
 class _Collectives(TorchDispatchMode):
     """Sees each c10d op with its arguments (inside the tracker's own mode): marks its buffers and notes it."""
 
@@ -139,6 +150,8 @@ class _Collectives(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d":
             tracker._on_collective(func, args, out)
+        elif func.namespace == "_c10d_functional" and func._schema.name.split("::")[-1] in FUNCTIONAL_COLLECTIVES:
+            tracker._on_collective(func, args, out, mark=False)  # DTensor's (TP): noted, its tensors left as they are
         return out
 
 
@@ -200,10 +213,10 @@ class RankTracker(StepTracker):
             if alloc_id is not None:
                 self.resize(alloc_id, t.untyped_storage().nbytes())
 
-    def _on_collective(self, func, args, out) -> None:
+    def _on_collective(self, func, args, out, mark: bool = True) -> None:
         if not self.recording:
             return
-        for t in _flat(args):
+        for t in _flat(args) if mark else ():
             if isinstance(t, torch.Tensor):
                 self.mark(t, COMMUNICATION)
         outs = [o for o in _flat(out) if isinstance(o, torch.Tensor)]
@@ -280,6 +293,11 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
         else:
             opt = make_optimizer(gpt, "adamw", lr=LR)
         return wrapped, gpt, opt
+    if job.strategy in MESH_STRATEGIES:
+        from .mesh2d import make_mesh, parallelize_2d
+
+        parallelize_2d(gpt, mesh if mesh is not None else make_mesh(device.type, dist.get_world_size(), job.tp))
+        return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
     if job.strategy in TP_STRATEGIES:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -355,6 +373,8 @@ def run_job(
     wrapped, gpt, opt = _wrap(job, device, gpt, mesh)
     step = {} if batch is None else {"batch": batch, "read_loss": False}  # a fake loss has no value to read
     data_rank, data_ranks = (0, 1) if job.strategy in TP_STRATEGIES else (rank, world_size)  # TP: the same rows
+    if job.strategy in MESH_STRATEGIES:  # a node's tp ranks train the same rows: one data-parallel rank per node
+        data_rank, data_ranks = rank // job.tp, world_size // job.tp
     spy = _BufferSpy()
     with spy:
         track_steps_untracked(wrapped, opt, job, data_rank, data_ranks, **step)

@@ -364,7 +364,8 @@ class RankRow:
 
 def rank_row(result: RankResult) -> RankRow:
     """The :class:`RankRow` of one rank's result."""
-    formula = zero_model_states(result.strategy, result.n_params, result.world_size)
+    zero = "fsdp2_zero3" if result.strategy == "tp_fsdp" else result.strategy  # 2-D: ZeRO-3 over tp x dp ranks
+    formula = zero_model_states(zero, result.n_params, result.world_size)
     ms = result.model_states
     return RankRow(
         strategy=result.strategy,

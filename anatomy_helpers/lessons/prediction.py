@@ -206,7 +206,8 @@ def fit_panel(
         checkpoint=checkpoint,
         attn_impl="sdpa" if shape != "toy (4 x 256)" else "manual",
     )
-    options = dict(optimizer=optimizer, implementation=implementation, autocast=None if autocast == "none" else autocast)
+    options = dict(optimizer=optimizer, implementation=implementation)
+    options["autocast"] = None if autocast == "none" else autocast
     try:
         report = will_it_fit(cfg, batch_size, device=device, **options)
     except CudaRuleError as why:  # a combination no CUDA rule states: say so, and show what can be said

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -267,3 +268,32 @@ def plot_timed_step(ranks: Sequence, kinds: Sequence[str] = ("synced", "straggle
                loc="outside lower center")  # fmt: skip
     fig.suptitle(f"DDP steps on {len(ranks)} real gloo ranks, measured", fontsize=10)
     return fig
+
+
+# ---- section 2b: a 2-D mesh (TP inside a node x FSDP2 across nodes), and which strategy fits a 70B model ---------
+
+# 4 heads so that t = 2 splits them; 8 ranks: 4 nodes of 2
+MESH_CONFIG = dict(n_layer=2, d_model=64, n_head=4, seq_len=32)
+MESH_WORLD, MESH_TP = 8, 2
+FIT_BASE = 3  # the fit table's dry runs: 3 and 4 blocks of the real shape, scaled per block (distributed/fit.py)
+FIT_REFERENCE = Path(__file__).with_name("fit_reference.json")  # scripts/record_fit.py writes it
+
+
+def stored_fit() -> tuple[list, dict]:
+    """The fit table scripts/record_fit.py recorded: (RankMemory rows, what they were computed on)."""
+    import json
+
+    from ..distributed.fit import from_records
+
+    record = json.loads(FIT_REFERENCE.read_text(encoding="utf-8"))
+    return from_records(record.pop("rows")), record
+
+
+def mesh_comparison(rows: Sequence[WorldRow], model: dict = CONFIG, world_size: int = MESH_WORLD, tp: int = MESH_TP):
+    """Rank 0 of FSDP2 at ``world_size`` ranks (section 1's row, from ``rows``) and rank 0 of tp x FSDP2 on a
+    ``(world_size / tp, tp)`` mesh, dry-run here, as two :class:`~anatomy_helpers.distributed.fit.RankMemory`."""
+    from ..distributed.fit import FIGURES, RankMemory, dry_run_memory
+
+    fsdp = next(r for r in rows if r.strategy == "fsdp2_zero3" and r.world_size == world_size)
+    same = RankMemory("section 1", "fsdp2_zero3", 1, world_size, *(getattr(fsdp, f) for f in FIGURES))
+    return [same, dry_run_memory("section 1", model, "tp_fsdp", world_size, tp)]
