@@ -50,7 +50,7 @@ def test_every_fake_rank_equals_its_real_gloo_rank_byte_for_byte(world4, strateg
     for rank in range(WORLD):
         fake = dry_run_rank(job(strategy, WORLD), WORLD, rank).result
         assert fake.backend == "fake" and world4[strategy][rank].backend == "gloo"
-        assert rank_differences(world4[strategy][rank], fake, gloo_late_frees=True) == {}, (strategy, rank)
+        assert rank_differences(world4[strategy][rank], fake) == {}, (strategy, rank)
 
 
 def test_rank_differences_names_what_differs(world4):

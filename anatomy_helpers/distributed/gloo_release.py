@@ -15,12 +15,13 @@ program had made since it let go, and the rank's peak came out one buffer higher
 5 runs in 15 of FSDP2 at N = 4 under load, one rank's peak +90,816 B; a dry run has no worker thread).
 
 What :func:`run_blocking` does instead, for a collective whose caller waits at once (``async_op=False``): it hands
-gloo detached aliases of the tensors (same storage, tensor objects of their own, so only gloo holds them), waits
-for the collective, drops the work, and returns only once every alias is held by nothing but itself: gloo's worker
-has let go. The caller gets the same tensors back and a work already completed. The collective is the same gloo
-collective, on the same storages; the caller just resumes a few microseconds later, with gloo done. Collectives
-issued with ``async_op=True`` (DDP's bucket all-reduces, ZeRO-1's broadcasts) are left alone: their buffers live
-across steps, so no late free can move a figure.
+gloo detached aliases of the tensors (same storages, tensor objects of their own), waits for the collective, drops
+the work, and returns only once the aliases and their storages have no more holders than before the collective:
+gloo's work item is gone, and so is every view it made (``ProcessGroupGloo::_allgather_base`` hands its work
+``at::chunk`` views of the output, which hold the storage, not the alias). The caller gets its own tensors back and
+a work already completed. The collective is the same gloo collective on the same storages; the caller resumes a few
+microseconds later, with gloo done. Collectives issued with ``async_op=True`` (DDP's bucket all-reduces, ZeRO-1's
+broadcasts) are left alone: their buffers live across steps, so a late free of theirs moves no figure.
 """
 
 from __future__ import annotations
@@ -56,24 +57,36 @@ def run_blocking(func, args, kwargs):
         aliases.append(a)
         return a
 
-    out = func(*_map(tuple(args), alias), **{k: _map(v, alias) for k, v in kwargs.items()})
+    args, kwargs = _map(tuple(args), alias), {k: _map(v, alias) for k, v in kwargs.items()}
+    before = _references(aliases)
+    out = func(*args, **kwargs)
+    del args, kwargs
     as_tuple = isinstance(out, tuple)  # (tensors..., work), or a work alone (barrier)
     tensors, work = (out[:-1], out[-1]) if as_tuple else ((), out)
     dist.Work.unbox(work).wait()  # raises as the caller's wait() would
     tensors = _map(tensors, lambda t: originals.get(id(t), t))
     del out, work  # the work and its future: now held by gloo's worker thread alone, if at all
-    _wait_released(aliases)
+    _wait_released(aliases, before)
     done = torch.futures.Future()
     done.set_result([t for t in flat(tensors) if isinstance(t, torch.Tensor)])
     done_work = torch._C._distributed_c10d._create_work_from_future(done).boxed()
     return (*tensors, done_work) if as_tuple else done_work
 
 
-def _wait_released(aliases: list[torch.Tensor]) -> None:
-    """Until each alias's tensor is referenced only by its Python object (gloo's work item is gone)."""
+def _references(aliases: list[torch.Tensor]) -> list[int]:
+    """How many holders each alias has, and each alias's storage: gloo may hold an alias itself (a work's
+    ``outputTensors_``) or views it made of it (``_allgather_base`` hands gloo ``at::chunk`` of the output)."""
+    return [a._use_count() for a in aliases] + [
+        torch._C._storage_Use_Count(a.untyped_storage()._cdata) for a in aliases
+    ]
+
+
+def _wait_released(aliases: list[torch.Tensor], before: list[int]) -> None:
+    """Until the aliases and their storages have no more holders than ``before`` the collective (gloo's work item
+    and every view it made are gone)."""
     deadline = time.monotonic() + RELEASE_TIMEOUT_S
     pause = 0.0
-    while any(a._use_count() > 1 for a in aliases):
+    while any(now > then for now, then in zip(_references(aliases), before)):
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"gloo still holds a finished collective's tensors after {RELEASE_TIMEOUT_S:g} s "
