@@ -24,9 +24,11 @@ from anatomy_helpers.lessons.optimizations import (
     OPTIMIZER_BATCH,
     OPTIMIZER_BOUND,
     format_levers,
+    format_one_liners,
     has_bitsandbytes,
     lever_named,
     measure_levers,
+    one_liners,
 )
 from anatomy_helpers.step import StepPlan, run_step
 
@@ -35,7 +37,7 @@ def step_seconds(cfg: dict, batch_size: int, name: str, warm: int, timed: int, d
     """Median wall time of one untracked training step of ``cfg`` with the lever ``name``."""
     lever = lever_named(name, cfg)
     model = make_model(device=device, **cfg, **lever.config)
-    opt_kw = {k: v for k, v in lever.step.items() if k in ("fused", "in_backward")}
+    opt_kw = {k: v for k, v in lever.step.items() if k in ("fused", "foreach", "in_backward")}
     optimizer = make_optimizer(model, lever.step.get("optimizer", "adamw"), **opt_kw)
     plan = StepPlan(batch_size=batch_size, read_loss=False, set_to_none=lever.step.get("set_to_none", True))
     times = []
@@ -72,6 +74,8 @@ def main() -> None:
         for name, row in zip(names, rows):
             ratio = step_seconds(cfg, batch, name, args.warm, args.timed, device) / base
             print(f"  {row.name:30s} step time x{ratio:.2f}")
+    print("\nthe one-liners (bytes):")
+    print(format_one_liners(one_liners(device=device)))
 
 
 if __name__ == "__main__":

@@ -401,6 +401,21 @@ MUTANTS = [
         "v / t if term in TP_SHARDED_TERMS else v",
         ("tests/test_tensor_parallel.py::test_the_terms_sum_to_the_papers_closed_forms",),
     ),
+    # ---- the synchronization model (sync_model.py)
+    Mutant(
+        "sync_model.bucket-closes-only-past-its-cap",
+        "distributed/sync_model.py",
+        "        if held >= limit:",
+        "        if held > limit:",
+        ("tests/test_timed_step.py::test_our_bucket_split_is_torchs_own",),
+    ),
+    Mutant(
+        "sync_model.bucket-ready-when-issued",
+        "distributed/sync_model.py",
+        "        start = max(done, backward * produced / total)",
+        "        start = done",
+        ("tests/test_sync_model.py::test_backward_all_reduces_hide_behind_backward_but_the_last",),
+    ),
 ]
 
 

@@ -318,3 +318,111 @@ def test_the_stored_compile_record_is_of_the_notebooks_step(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="record_compile_reference"):
         stored(tmp_path / "other.json")
+
+
+# ---- lesson 10's one-liners and its panel (runs cached per configuration and lever) ----------------------------
+
+TINY_STEPS = {  # the lesson's two kinds of step, smaller: the optimizer's state, then the logits, dominate
+    "optimizer-bound": (dict(n_layer=1, d_model=64, n_head=2, seq_len=8), 1),
+    "logits-bound": (dict(n_layer=1, d_model=16, n_head=2, seq_len=16, vocab_size=1024), 4),
+}
+
+
+def plain_peak(cfg: dict, batch: int, optimizer_kw=None, **step) -> int:
+    """The peak of two tracked steps, built here without the lesson's levers or its cache."""
+    model = make_model(device="cpu", **cfg)
+    return track_steps(model, make_optimizer(model, "adamw", **(optimizer_kw or {})), 2, batch, **step).peak().bytes
+
+
+@pytest.fixture(scope="module")
+def one_liner_rows():
+    from anatomy_helpers.lessons.optimizations import one_liners
+
+    return {r.name: r for r in one_liners(device="cpu", configs=TINY_STEPS)}
+
+
+def test_one_liners_match_plain_runs_and_tensor_sizes(one_liner_rows):
+    from anatomy_helpers.lessons.optimizations import FOREACH, MICRO_BATCHES, OFFLOAD, SINGLE_TENSOR
+
+    opt_cfg, opt_batch = TINY_STEPS["optimizer-bound"]
+    logits_cfg, logits_batch = TINY_STEPS["logits-bound"]
+    offload, accumulated = one_liner_rows[OFFLOAD.name], one_liner_rows[MICRO_BATCHES.name]
+    single, foreach = one_liner_rows[SINGLE_TENSOR.name], one_liner_rows[FOREACH.name]
+    fused = one_liner_rows["fused optimizer"]
+    assert offload.baseline == accumulated.baseline == plain_peak(logits_cfg, logits_batch)
+    assert offload.peak == offload.baseline  # save_on_cpu on a CPU: the saved tensors are in host memory already
+    assert accumulated.peak == plain_peak(logits_cfg, logits_batch, micro_batches=4) < accumulated.baseline
+    assert single.peak == single.baseline == plain_peak(opt_cfg, opt_batch)  # the CPU default is the loop
+    assert foreach.peak == plain_peak(opt_cfg, opt_batch, dict(foreach=True))
+    assert foreach.optimizer_temporaries == grad_bytes(make_model(device="cpu", **opt_cfg))  # one per gradient
+    assert fused.optimizer_temporaries == 0 < single.optimizer_temporaries < foreach.optimizer_temporaries
+    assert {r.max_allocated for r in one_liner_rows.values()} == {None}  # a CPU has no caching allocator
+
+
+def test_lever_runs_are_cached_per_configuration_and_lever():
+    from anatomy_helpers.lessons.optimizations import BASELINE, FOREACH, lever_run
+
+    cfg, batch = TINY_STEPS["optimizer-bound"]
+    first = lever_run(cfg, batch, BASELINE, device="cpu")
+    assert lever_run(cfg, batch, BASELINE, device="cpu") is first  # measured once
+    assert lever_run(dict(cfg, d_model=32), batch, BASELINE, device="cpu") is not first
+    other = lever_run(cfg, batch, FOREACH, device="cpu")
+    assert other is not first and other.trace.peak().bytes > first.trace.peak().bytes
+    assert first.num_params == sum(p.numel() for p in make_model(device="cpu", **cfg).parameters())
+    assert first.max_allocated is None
+
+
+def test_the_tables_show_the_allocators_peak_only_when_a_gpu_measured_one(one_liner_rows):
+    from dataclasses import replace
+
+    from anatomy_helpers.lessons.optimizations import LeverRow, format_levers, format_one_liners
+
+    rows = list(one_liner_rows.values())
+    assert "max_memory_allocated" not in format_one_liners(rows)
+    on_gpu = [replace(r, max_allocated=r.peak + 512, baseline_max_allocated=r.baseline + 512) for r in rows]
+    text = format_one_liners(on_gpu)
+    assert "max_memory_allocated" in text and f"{rows[0].peak + 512:,}" in text
+    row = LeverRow("x", 2 * 2**20, "backward", "temporaries", 8.0, 0, 0.0, False)
+    assert "max_memory_allocated" not in format_levers([row])
+    assert "3.00" in format_levers([replace(row, max_allocated=3 * 2**20)]).splitlines()[-1]
+
+
+def test_the_panel_shows_before_and_after_on_one_scale(capsys):
+    from anatomy_helpers.lessons.optimizations import OPTIMIZER_BATCH, OPTIMIZER_BOUND, lever_panel, panel_levers
+
+    fig = lever_panel("optimizer-bound", "optimizer step in backward", device="cpu")
+    out = capsys.readouterr().out
+    before = plain_peak(OPTIMIZER_BOUND, OPTIMIZER_BATCH)
+    model = make_model(device="cpu", **OPTIMIZER_BOUND)
+    after = track_steps(model, make_optimizer(model, in_backward=True), 2, OPTIMIZER_BATCH).peak().bytes
+    assert f"{before:,} B" in out and f"{after:,} B" in out and f"by {after - before:+,} B" in out
+    assert len(fig.axes) == 2 and fig.axes[0].get_ylim() == fig.axes[1].get_ylim()
+    alone = lever_panel("optimizer-bound", "micro-batches", device="cpu")  # a one-row batch cannot be split
+    assert "does not apply" in capsys.readouterr().out and len(alone.axes) == 1
+    assert set(panel_levers()) >= {"optimizer step in backward", "chunked loss", "save_on_cpu offload"}
+    with pytest.raises(ValueError, match="config must be one of"):
+        lever_panel("huge")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_lever_runs_report_the_allocators_peak_and_offload_lowers_it():
+    from anatomy_helpers.lessons.optimizations import BASELINE, LOGITS_BATCH, LOGITS_BOUND, OFFLOAD, lever_run
+
+    base = lever_run(LOGITS_BOUND, LOGITS_BATCH, BASELINE, device="cuda")
+    offload = lever_run(LOGITS_BOUND, LOGITS_BATCH, OFFLOAD, device="cuda")
+    assert base.max_allocated >= base.trace.peak().bytes  # every tracked byte, rounded up by the allocator
+    assert offload.max_allocated < base.max_allocated  # the blocks' saved tensors wait in host memory
+
+
+def test_save_on_cpu_keeps_a_cpu_tensor_itself():
+    """Why checkpointing.offload_context enters save_on_cpu only on a GPU: on a CPU its pack hook (``tensor.cpu()``)
+    hands back the same storage, so nothing moves and nothing is copied."""
+    x = torch.randn(256, requires_grad=True)
+    with torch.autograd.graph.save_on_cpu():
+        y = x.sin()
+    assert y.grad_fn._saved_self.data_ptr() == x.data_ptr()
+    with torch.autograd.graph.save_on_cpu():
+        t = x * 2
+        z = t.sin()  # a tensor saved mid-graph: the very same storage too
+    assert z.grad_fn._saved_self.data_ptr() == t.data_ptr()

@@ -19,6 +19,7 @@ Seconds and bytes everywhere; bandwidths in bytes per second.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,9 +32,10 @@ ASSUMPTIONS = (
     "or hierarchical algorithms, no in-network reduction.",
     "Compute runs at peak x utilisation; the optimizer step and element-wise ops are not counted (FlopCounterMode "
     "counts matrix multiplications and attention).",
-    "DDP: the all-reduces hide behind backward except the last bucket's, which starts when backward ends. FSDP: the "
-    "all-gathers hide behind forward and backward, the reduce-scatters behind backward, except the first "
-    "all-gather (nothing to hide behind yet) and the last reduce-scatter.",
+    "Backward's collectives (DDP's buckets, FSDP's reduce-scatters and re-gathers) become ready as backward "
+    "produces their bytes, evenly in bytes through backward, and run one at a time on the link: only what runs "
+    "past backward's end is exposed. DDP's buckets are the ones its reducer builds (bucket_cap_mb, 1 MiB first). "
+    "FSDP's forward all-gathers hide behind forward, except the first (nothing to hide behind yet).",
     "Stragglers: the ranks' compute times are independent draws from the measured distribution of step times "
     "(relative to its median); the step ends when the slowest rank is done.",
 )
@@ -92,7 +94,8 @@ class StepTime:
     straggler: float  # expected slowest rank's compute minus the median rank's
     communication: float  # every collective of the step, back to back
     exposed: float  # the part of it no compute hides
-    step: float  # forward + backward + straggler + exposed
+    step: float  # forward + backward + straggler + exposed + optimizer
+    optimizer: float = 0.0  # the optimizer step, when measured (FlopCounterMode does not count it)
 
     @property
     def efficiency(self) -> float:
@@ -129,21 +132,144 @@ def step_time(
     if not 0 < utilisation <= 1:
         raise ValueError(f"utilisation must be in (0, 1], got {utilisation!r}")
     compute = flops / (peak_flops * utilisation)
-    forward, backward = compute / 3, 2 * compute / 3
-    straggler = compute * (expected_max(jitter, n) - float(np.median(jitter)))
+    return price_step(collectives, n, forward=compute / 3, backward=2 * compute / 3, link=link, jitter=jitter)
+
+
+def price_step(
+    collectives: Sequence[Collective],
+    n: int,
+    *,
+    forward: float,
+    backward: float,
+    optimizer: float = 0.0,
+    link: Link = LINKS["ib_ndr"],
+    jitter: Sequence[float] = (1.0,),
+) -> StepTime:
+    """:func:`step_time` from compute times given in seconds (measured ones, say) instead of FLOPs: the
+    collectives priced on ``link``, overlapped with ``forward`` and ``backward`` as :data:`ASSUMPTIONS` says, plus
+    the straggler tail of ``jitter`` and an ``optimizer`` step that overlaps nothing."""
+    straggler = (forward + backward) * (expected_max(jitter, n) - float(np.median(jitter)))
     timed = [
-        (c.phase, collective_name(c.op), ring_seconds(collective_name(c.op), c.bytes, n, link)) for c in collectives
+        (c.phase, c.bytes, ring_seconds(collective_name(c.op), c.bytes, n, link))
+        for c in collectives
+        if c.phase in ("forward", "backward", "optimizer")
     ]
-    timed = [(phase, kind, s) for phase, kind, s in timed if phase in ("forward", "backward", "optimizer")]
     total = sum(s for _, _, s in timed)
     exposed = 0.0
-    for phase, hide_behind in (("forward", forward), ("backward", backward)):
-        in_phase = [s for p, _, s in timed if p == phase]
-        if in_phase:  # the first (forward) or the last (backward) collective of the phase cannot overlap
-            edge = in_phase[0] if phase == "forward" else in_phase[-1]
-            exposed += edge + max(0.0, sum(in_phase) - edge - hide_behind)
+    in_forward = [s for p, _, s in timed if p == "forward"]
+    if in_forward:  # the first all-gather has nothing to hide behind
+        exposed += in_forward[0] + max(0.0, sum(in_forward[1:]) - forward)
+    exposed += backward_overhang([(b, s) for p, b, s in timed if p == "backward"], backward)
     exposed += sum(s for p, _, s in timed if p == "optimizer")  # ZeRO-1's broadcasts follow the step
-    return StepTime(n, forward, backward, straggler, total, exposed, forward + backward + straggler + exposed)
+    step = forward + backward + straggler + exposed + optimizer
+    return StepTime(n, forward, backward, straggler, total, exposed, step, optimizer)
+
+
+def backward_schedule(issued: Sequence[tuple[float, float]], backward: float) -> list[tuple[float, float]]:
+    """(start, end) of each of backward's collectives, given as (bytes, seconds) in the order they are issued:
+    collective k is ready when backward has produced its bytes (evenly in bytes through ``backward`` seconds)
+    and starts once it is ready and the one before it is done (one link)."""
+    total = sum(b for b, _ in issued) or 1
+    out, done, produced = [], 0.0, 0
+    for nbytes, seconds in issued:
+        produced += nbytes
+        start = max(done, backward * produced / total)
+        done = start + seconds
+        out.append((start, done))
+    return out
+
+
+def backward_overhang(issued: Sequence[tuple[float, float]], backward: float) -> float:
+    """Seconds backward's collectives (:func:`backward_schedule`) run past the end of backward: the exposed part."""
+    schedule = backward_schedule(issued, backward)
+    return max(0.0, schedule[-1][1] - backward) if schedule else 0.0
+
+
+# ---- DDP's buckets -------------------------------------------------------------------------------------------
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+DEFAULT_BUCKET_CAP_MB = 25  # torch/nn/parallel/distributed.py's _DEFAULT_BUCKET_CAP_MB
+
+
+def ddp_buckets(sizes: Sequence[int], order: Sequence[int], bucket_cap_mb: float | None = None) -> list[list[int]]:
+    """The buckets DDP's reducer rebuilds after its first backward: parameter indices, bucket by bucket, in the order
+    their all-reduces are issued. ``sizes``: each parameter's gradient bytes (registration order); ``order``: the
+    order the gradients become ready in backward (:func:`gradient_ready_order`).
+
+    As torch's ``compute_bucket_assignment_by_size`` (reducer.cpp): gradients join the open bucket in ready order and
+    a bucket closes once it holds at least its cap; the first cap is 1 MiB when ``bucket_cap_mb`` is None (DDP's
+    default, 25 MiB after it), else every cap is ``bucket_cap_mb`` MiB (torch's _BucketCapacityConfig)."""
+    if sorted(order) != list(range(len(sizes))):
+        raise ValueError(f"order must list each of the {len(sizes)} parameters once, got {list(order)!r}")
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be None (DDP's default) or positive, got {bucket_cap_mb!r}")
+    cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
+    limit = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    buckets, current, held = [], [], 0
+    for i in order:
+        current.append(i)
+        held += sizes[i]
+        if held >= limit:
+            buckets.append(current)
+            current, held, limit = [], 0, cap
+    return buckets + ([current] if current else [])
+
+
+def gradient_ready_order(model, batch: Sequence) -> list[int]:
+    """Indices of ``model``'s parameters in the order backward finishes their gradients (one forward and backward
+    of ``batch``, the course loss): the order DDP's reducer records in its first backward (it hooks the same
+    gradient accumulators, ``register_post_accumulate_grad_hook``). Runs on meta tensors too."""
+    from ..step import gpt_loss
+
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    order: list[int] = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: order.append(index[id(p)])) for p in params]
+    try:
+        gpt_loss(model, batch).backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return order
+
+
+def ddp_bucket_bytes(model: dict, rows: int = 1, bucket_cap_mb: float | None = None) -> list[int]:
+    """Bytes of each of DDP's buckets (in the order issued) for the course GPT of ``model`` (ModelConfig overrides)
+    trained on ``rows`` rows, from its shapes alone (on meta tensors)."""
+    import torch
+
+    from ..model import GPT, ModelConfig
+
+    cfg = ModelConfig(**model)
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+        x = torch.zeros(rows, cfg.seq_len, dtype=torch.long)
+        order = gradient_ready_order(gpt, (x, x))
+    sizes = [p.numel() * p.element_size() for p in gpt.parameters()]
+    return [sum(sizes[i] for i in b) for b in ddp_buckets(sizes, order, bucket_cap_mb)]
+
+
+def with_buckets(collectives: Sequence[Collective], bucket_bytes: Sequence[int]) -> list[Collective]:
+    """A DDP rank's collectives with its backward all-reduce(s) replaced by one all-reduce per bucket: a dry-run
+    rank keeps DDP's first assignment (every gradient in one bucket), a real one rebuilds it after one step."""
+    grads = [c for c in collectives if c.phase == "backward" and collective_name(c.op) == "all-reduce"]
+    if sum(c.bytes for c in grads) != sum(bucket_bytes):
+        raise ValueError(
+            f"the buckets hold {sum(bucket_bytes):,} bytes but the trace all-reduced {sum(c.bytes for c in grads):,} "
+            "in backward: not the same model?"
+        )
+    first = grads[0]
+    buckets = [dataclasses.replace(first, bytes=int(b), op="allreduce_") for b in bucket_bytes]
+    out, placed = [], False
+    for c in collectives:
+        if any(c is g for g in grads):
+            if not placed:
+                out.extend(buckets)
+                placed = True
+        else:
+            out.append(c)
+    return out
 
 
 def measure_jitter(steps: int = 20, batch_size: int = 4, **config) -> np.ndarray:
@@ -177,8 +303,9 @@ def scaling_curve(
     link: Link = LINKS["ib_ndr"],
     jitter: Sequence[float] = (1.0,),
 ) -> list[StepTime]:
-    """:func:`step_time` at each world size, the collectives' bytes from a dry-run rank 0 of that world and the
-    FLOPs from ``FlopCounterMode`` on one rank's rows (weak scaling: the same rows per rank at every N)."""
+    """:func:`step_time` at each world size, the collectives' bytes from a dry-run rank 0 of that world (DDP's and
+    ZeRO-1's gradients in the buckets a real DDP rebuilds, :func:`ddp_bucket_bytes`) and the FLOPs from
+    ``FlopCounterMode`` on one rank's rows (weak scaling: the same rows per rank at every N)."""
     import torch
 
     from ..model import GPT, ModelConfig
@@ -191,13 +318,15 @@ def scaling_curve(
         gpt = GPT(cfg)
         x = torch.zeros(rows_per_rank, cfg.seq_len, dtype=torch.long)
         flops = step_flops(gpt, x, x)
+    buckets = ddp_bucket_bytes(model, rows_per_rank) if strategy in ("ddp", "ddp_bucket_view", "zero1") else None
     out = []
     for n in world_sizes:
         job = RankJob(strategy, steps=1, batch_size=rows_per_rank * n, model=dict(model))
         trace = dry_run_rank(job, n, 0).result
+        collectives = trace.collectives if buckets is None else with_buckets(trace.collectives, buckets)
         out.append(
             step_time(
-                trace.collectives,
+                collectives,
                 n,
                 flops=flops,
                 peak_flops=peak_flops,

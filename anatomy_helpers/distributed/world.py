@@ -71,8 +71,13 @@ def _check_port(port: int, host: str = "127.0.0.1") -> None:
 def check_jobs(jobs, world_size: int) -> list[RankJob]:
     """``jobs`` (a RankJob or a non-empty list of them) as a list, each checked against ``world_size`` before any
     rank starts: every rank must get the same whole number of rows per micro-batch."""
-    jobs = [jobs] if isinstance(jobs, RankJob) else jobs
-    if not isinstance(jobs, (list, tuple)) or not jobs or not all(isinstance(j, RankJob) for j in jobs):
+    jobs = [jobs] if isinstance(jobs, RankJob) or hasattr(jobs, "run_rank") else jobs
+    # a job with its own run_rank (timed_step.TimedJob) runs that on each rank instead of ranks.run_job
+    if (
+        not isinstance(jobs, (list, tuple))
+        or not jobs
+        or not all(isinstance(j, RankJob) or hasattr(j, "run_rank") for j in jobs)
+    ):
         raise ValueError(f"jobs must be a RankJob or a non-empty list of RankJob, got {jobs!r}")
     for job in jobs:
         if job.batch_size % (world_size * job.micro_batches):
@@ -305,7 +310,10 @@ def worker_main(tmp: str, backend: str | None) -> int:
         jobs = pickle.load(f)
     with _process_group(backend) as (r, world_size, device):
         try:  # noted inside the group: its teardown makes the other ranks fail, and may take a while
-            results = [run_job(job, r, world_size, device) for job in jobs]
+            results = [
+                job.run_rank(r, world_size, device) if hasattr(job, "run_rank") else run_job(job, r, world_size, device)
+                for job in jobs
+            ]
         except SystemExit as e:
             _note(tmp, rank, f"exit {e.code}", "")
             raise

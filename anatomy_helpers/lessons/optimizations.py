@@ -16,12 +16,12 @@ import torch
 
 from ..data import get_batch
 from ..prediction.fixes import EFFECTS
-from ..prediction.levers import Lever, levers
+from ..prediction.levers import Lever, dominant, levers
 from ..step import step_flops
 from ..tables import Col, format_table
 from ..tracking.trace import Trace
-from ..train import make_model, make_optimizer, track_steps
-from ..units import pick_unit
+from ..train import make_model, make_optimizer, pick_device, track_steps
+from ..units import MiB, pick_unit
 
 #: A step whose optimizer phase runs out: many parameters, one short sequence (Adam's state dominates its peak).
 OPTIMIZER_BOUND = dict(n_layer=2, d_model=128, n_head=2, seq_len=8)
@@ -48,7 +48,33 @@ EIGHT_BIT = Lever(
     "bitsandbytes' AdamW8bit: uint8 moments + a float32 scale per 256",
     step={"optimizer": "adamw8bit"},
 )
-_OPTIMIZER_ARGS = ("optimizer", "fused", "in_backward")  # a lever's options that make the optimizer
+#: Lesson 03's implementations as levers (the baseline is torch's default: single-tensor on a CPU, foreach on CUDA).
+SINGLE_TENSOR = Lever(
+    "single-tensor optimizer", ("temporaries",), "time only", "a loop over parameters", step={"foreach": False}
+)
+FOREACH = Lever(
+    "foreach optimizer", ("temporaries",), "time only", "each op on every parameter at once", step={"foreach": True}
+)
+#: torch.autograd.graph.save_on_cpu around the blocks (checkpointing.offload_context: pinned host memory on a GPU).
+OFFLOAD = Lever(
+    "save_on_cpu offload",
+    ("activations",),
+    "time only",
+    "the blocks' saved tensors copied to host memory in forward, back in backward; on a CPU they are there already",
+    config={"checkpoint": "offload"},
+)
+#: Gradient accumulation (lesson 08): the logits-bound batch as micro-batches of one row, one optimizer step.
+MICRO_BATCHES = Lever(
+    f"micro-batches x{LOGITS_BATCH}",
+    ("activations", "temporaries"),
+    "time only",
+    f"{LOGITS_BATCH} micro-batches of batch/{LOGITS_BATCH} rows, gradients accumulated",
+    step={"micro_batches": LOGITS_BATCH},
+)
+_LESSON_LEVERS = (BASELINE, KEEP_GRADIENTS, EIGHT_BIT, SINGLE_TENSOR, FOREACH, OFFLOAD, MICRO_BATCHES)
+_OPTIMIZER_ARGS = ("optimizer", "fused", "foreach", "in_backward")  # a lever's options that make the optimizer
+#: The lesson's two steps by name (the panel's choices): (configuration, batch size).
+CONFIGS = {"optimizer-bound": (OPTIMIZER_BOUND, OPTIMIZER_BATCH), "logits-bound": (LOGITS_BOUND, LOGITS_BATCH)}
 
 
 def has_bitsandbytes() -> bool:
@@ -58,7 +84,7 @@ def has_bitsandbytes() -> bool:
 
 def lever_named(name: str, cfg: dict) -> Lever:
     """The lever of prediction/levers.py (for ``cfg``) whose name starts with ``name``, or one of this lesson's."""
-    for lever in [*levers(_config(cfg)), BASELINE, KEEP_GRADIENTS, EIGHT_BIT]:
+    for lever in [*levers(_config(cfg)), *_LESSON_LEVERS]:
         if lever.name.startswith(name):
             return lever
     raise ValueError(f"no lever named {name!r}")
@@ -82,6 +108,52 @@ def run_lever(
 
 
 @dataclass(frozen=True)
+class LeverRun:
+    """One lever's tracked run (:func:`run_lever`): its trace, the parameters its optimizer steps, and on CUDA
+    ``torch.cuda.max_memory_allocated`` over the run minus what was allocated before it (None on a CPU)."""
+
+    trace: Trace
+    num_params: int
+    max_allocated: int | None
+
+
+_RUNS: dict[tuple, LeverRun] = {}  # lever_run's cache: the last _KEEP runs
+_KEEP = 64
+_WARM: set[str] = set()  # CUDA devices whose cuBLAS workspaces exist (cuda_warm_up)
+
+
+def lever_run(cfg: dict, batch_size: int, lever: Lever, device=None) -> LeverRun:
+    """:func:`run_lever` (two steps), cached per (``cfg``, ``batch_size``, the lever's name, the device): the notebook's
+    cells and its panel that show the same run measure it once (a tracked run of the course GPT is deterministic).
+
+    On CUDA the peak counter is reset before the model is built, after one warm-up step per device (the cuBLAS
+    workspaces, kept for the life of the process, would otherwise count in the first run only)."""
+    dev = pick_device(device)
+    key = (tuple(sorted(cfg.items())), batch_size, lever.name, str(dev))
+    if key not in _RUNS:
+        cuda = dev.type == "cuda"
+        if cuda:
+            from ..cuda import cuda_warm_up
+
+            if str(dev) not in _WARM:
+                cuda_warm_up(dev)
+                _WARM.add(str(dev))
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            before = torch.cuda.memory_allocated(dev)
+        trace, optimizer = run_lever(cfg, batch_size, lever, device=dev)
+        n = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+        if cuda:
+            torch.cuda.synchronize(dev)
+        allocated = torch.cuda.max_memory_allocated(dev) - before if cuda else None
+        del optimizer
+        if len(_RUNS) >= _KEEP:
+            del _RUNS[next(iter(_RUNS))]
+        _RUNS[key] = LeverRun(trace, n, allocated)
+    return _RUNS[key]
+
+
+@dataclass(frozen=True)
 class LeverRow:
     """One lever's measured step (bytes at the peak of the whole run)."""
 
@@ -93,20 +165,22 @@ class LeverRow:
     gradients_at_peak: int
     extra_flops: float  # forward + backward FLOPs relative to the baseline's, minus 1 (FlopCounterMode)
     changes_training: bool  # numerics or dynamics: EFFECTS other than "time only"
+    max_allocated: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the run (LeverRun)
 
 
 def measure_levers(
     cfg: dict, batch_size: int, names: list[str], device=None
 ) -> tuple[list[LeverRow], dict[str, Trace]]:
-    """Each named lever (``lever_named``) run for real on ``cfg``: its row and its trace, the baseline first."""
+    """Each named lever (``lever_named``) run for real on ``cfg`` (:func:`lever_run`): its row and its trace, the
+    baseline first."""
     x, y = get_batch(batch_size, cfg["seq_len"], step=0)
     base_flops = step_flops(make_model(device="cpu", **cfg), x, y)
     rows, traces = [], {}
     for name in names:
         lever = lever_named(name, cfg)
-        trace, optimizer = run_lever(cfg, batch_size, lever, device=device)
+        run = lever_run(cfg, batch_size, lever, device=device)
+        trace = run.trace
         pk = trace.peak()
-        n = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
         flops = step_flops(make_model(device="cpu", **cfg, **lever.config), x, y)
         rows.append(
             LeverRow(
@@ -114,10 +188,11 @@ def measure_levers(
                 peak=pk.bytes,
                 phase=pk.phase,
                 dominant=max(pk.breakdown, key=pk.breakdown.get),
-                state_per_param=trace.at(len(trace.timeline) - 1)["optimizer_state"] / n,
+                state_per_param=trace.at(len(trace.timeline) - 1)["optimizer_state"] / run.num_params,
                 gradients_at_peak=pk.breakdown["gradients"],
                 extra_flops=flops / base_flops - 1,
                 changes_training=EFFECTS.index(lever.effect) > 0,
+                max_allocated=run.max_allocated,
             )
         )
         traces[lever.name] = trace
@@ -137,6 +212,8 @@ def format_levers(rows: list[LeverRow]) -> str:
         Col("extra FLOPs", 11, "+.0%"),
         Col("changes training", 16, align="<", gap="  "),
     ]
+    cuda = any(r.max_allocated is not None for r in rows)  # a column of the allocator's peak on a GPU
+    cols += [Col("max_memory_allocated", 20, ".2f")] if cuda else []
     base = rows[0].peak
     table = [
         (
@@ -148,6 +225,7 @@ def format_levers(rows: list[LeverRow]) -> str:
             r.state_per_param,
             r.extra_flops,
             "yes" if r.changes_training else "no",
+            *([None if r.max_allocated is None else r.max_allocated / scale] if cuda else []),
         )
         for r in rows
     ]
@@ -234,3 +312,127 @@ def stored_compile_memory(path: Path = COMPILE_REFERENCE) -> dict | None:
             f"{LOGITS_BOUND} batch {LOGITS_BATCH}: run scripts/record_compile_reference.py again"
         )
     return record
+
+
+# ---- the one-liners: save_on_cpu, micro-batches, the optimizer's implementation -----------------------------
+
+#: (the step, the lever) of each one-liner row: each against the baseline of its step.
+ONE_LINERS = (
+    ("logits-bound", OFFLOAD.name),
+    ("logits-bound", MICRO_BATCHES.name),
+    ("optimizer-bound", SINGLE_TENSOR.name),
+    ("optimizer-bound", FOREACH.name),
+    ("optimizer-bound", "fused optimizer"),
+)
+
+
+@dataclass(frozen=True)
+class OneLiner:
+    """A lever that is one line of code, measured against its step's baseline (bytes)."""
+
+    name: str
+    config: str  # a key of CONFIGS
+    peak: int
+    baseline: int  # the baseline's peak
+    phase: str  # where the peak is now
+    optimizer_temporaries: int  # step 2's optimizer-phase temporaries at that phase's peak (Trace.optimizer_phase)
+    max_allocated: int | None  # CUDA: LeverRun.max_allocated, this run and the baseline's
+    baseline_max_allocated: int | None
+
+
+def one_liners(device=None, configs: dict = CONFIGS) -> list[OneLiner]:
+    """The :data:`ONE_LINERS`, each a real tracked run (cached: :func:`lever_run`); ``configs``: the two steps by
+    the names of :data:`CONFIGS` (the logits-bound batch a multiple of the micro-batches' count)."""
+    rows = []
+    for config, name in ONE_LINERS:
+        cfg, batch = configs[config]
+        base = lever_run(cfg, batch, BASELINE, device=device)
+        run = lever_run(cfg, batch, lever_named(name, cfg), device=device)
+        pk = run.trace.peak()
+        rows.append(
+            OneLiner(
+                name,
+                config,
+                pk.bytes,
+                base.trace.peak().bytes,
+                pk.phase,
+                run.trace.optimizer_phase(2).temporaries,
+                run.max_allocated,
+                base.max_allocated,
+            )
+        )
+    return rows
+
+
+def format_one_liners(rows: list[OneLiner]) -> str:
+    """The one-liners in bytes: the peak, the baseline's, the difference, where the peak is, optimizer temporaries."""
+    cuda = any(r.max_allocated is not None for r in rows)
+    cols = [Col("lever", 24, align="<"), Col("step", 15, align="<", gap="  "), Col("peak", 12, ",d")]
+    cols += [Col("baseline", 12, ",d"), Col("difference", 12, "+,d"), Col("peak in", 10, align="<", gap="  ")]
+    cols += [Col("optimizer temps", 15, ",d")]
+    cols += [Col("max_memory_allocated", 21, ",d"), Col("baseline's", 12, ",d")] if cuda else []
+    table = [
+        (r.name, r.config, r.peak, r.baseline, r.peak - r.baseline, r.phase, r.optimizer_temporaries)
+        + ((r.max_allocated, r.baseline_max_allocated) if cuda else ())
+        for r in rows
+    ]
+    return format_table(cols, table, note="(bytes; optimizer temps: step 2's optimizer phase)")
+
+
+# ---- the panel: a step and a lever, before and after -------------------------------------------------------
+
+#: The levers the panel offers (names lever_named knows; bitsandbytes' 8-bit state where it is installed).
+PANEL_LEVERS = (
+    "optimizer step in backward",
+    "bf16 optimizer state",
+    "SGD with momentum",
+    "fused optimizer",
+    FOREACH.name,
+    "chunked loss",
+    "checkpoint=full",
+    "sdpa attention",
+    OFFLOAD.name,
+    MICRO_BATCHES.name,
+    KEEP_GRADIENTS.name,
+)
+
+
+def panel_levers() -> list[str]:
+    """:data:`PANEL_LEVERS`, with the 8-bit state after the bf16 one where bitsandbytes is installed."""
+    names = list(PANEL_LEVERS)
+    if has_bitsandbytes():
+        names.insert(2, "8-bit state")
+    return names
+
+
+def lever_panel(config: str = "optimizer-bound", lever: str = "optimizer step in backward", device=None):
+    """One of the lesson's steps (``config``: a key of :data:`CONFIGS`) before and after ``lever`` (a name
+    :func:`lever_named` knows): prints each peak (bytes and MiB), its phase and dominant category (and on CUDA
+    ``max_memory_allocated``), and returns both timelines on one y-scale. Runs are cached (:func:`lever_run`), so a
+    setting seen before costs only the figure. A lever the step cannot take (micro-batches of a one-row batch)
+    says why and shows the baseline alone. The function behind notebook 10's panel."""
+    if config not in CONFIGS:
+        raise ValueError(f"config must be one of {tuple(CONFIGS)}, got {config!r}")
+    from ..plots import plot_timelines
+
+    cfg, batch = CONFIGS[config]
+    chosen = lever_named(lever, cfg)
+    runs = {BASELINE.name: lever_run(cfg, batch, BASELINE, device=device)}
+    refused = ""
+    try:
+        runs[chosen.name] = lever_run(cfg, batch, chosen, device=device)
+    except ValueError as e:  # the step cannot take it (StepPlan's check): say why, show the baseline alone
+        refused = f"  {chosen.name} does not apply to this step: {e}"
+    print(f"the {config} step, batch {batch}: each run's peak, the phase holding it, the category dominating it")
+    for name, run in runs.items():  # lines short enough not to wrap in a notebook's output
+        pk, category = dominant(run.trace)
+        print(f"  {name:<28} {pk.bytes:>11,} B ({pk.bytes / MiB:5.2f} MiB)  step {pk.step} {pk.phase:<9} {category}")
+        if run.max_allocated is not None:
+            print(f"  {'':<28} {run.max_allocated:>11,} B: CUDA max_memory_allocated")
+    if refused:
+        print(refused)
+    else:
+        before, after = (run.trace.peak().bytes for run in runs.values())
+        print(f"  the lever moves the peak by {after - before:+,} B ({after / before - 1:+.0%})")
+    traces = {name: run.trace for name, run in runs.items()}
+    return plot_timelines(traces, title=f"the {config} step: {chosen.name}")

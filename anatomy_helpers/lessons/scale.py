@@ -209,3 +209,61 @@ def format_step_times(curves: dict[str, list[StepTime]]) -> str:
         for r in rows
     ]
     return format_table(cols, out, note="(modelled, milliseconds per step)")
+
+
+# ---- section 3, real ranks: the model against a measured 2-rank step ---------------------------------------------
+
+# Lesson 08's model, DDP's buckets capped at 0.25 MiB so that it has several (its default 25 MiB would hold the
+# whole model in two), a straggler sleeping 0.15 s, and a sweep of three sizes, all small enough to run in seconds.
+TIMED_BUCKET_MB = 0.25
+TIMED_STRAGGLER_S = 0.15
+
+
+def timed_world(world_size: int = 2, steps: int = 3) -> list:
+    """Each rank's :class:`~anatomy_helpers.distributed.timed_step.RankTimes` of ``steps`` synced, compute-only and
+    straggler steps of lesson 08's model on ``world_size`` real gloo ranks (2 rows each)."""
+    from ..distributed.timed_step import TimedJob, measure_timed_world
+
+    job = TimedJob(
+        steps=steps,
+        batch_size=2 * world_size,
+        model=dict(CONFIG),
+        bucket_cap_mb=TIMED_BUCKET_MB,
+        straggler_s=TIMED_STRAGGLER_S,
+        sweep_bytes=(4096, 1 << 18, 1 << 22),
+        sweep_reps=3,
+    )
+    return measure_timed_world(job, world_size)
+
+
+def plot_timed_step(ranks: Sequence, kinds: Sequence[str] = ("synced", "straggler")):
+    """One step of each of ``kinds`` on each rank (its median step), one panel per kind: forward, backward until
+    its last bucket was issued, its wait for the all-reduces, the optimizer and the rest; under each rank, when
+    each bucket's all-reduce was issued and done. Returns the Figure."""
+    from ..plots import FIGURE_WIDTH_IN, CourseFigure
+
+    fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 1.0 + 1.3 * len(kinds) * len(ranks) / 2), layout="constrained")
+    axes = fig.subplots(len(kinds), 1, sharex=True, squeeze=False)[:, 0]
+    colours = {"forward": "tab:blue", "backward": "tab:orange", "wait": "tab:red", "optimizer": "tab:green"}
+    for ax, kind in zip(axes, kinds):
+        for r in ranks:
+            steps = sorted(r.of(kind), key=lambda s: s.step)
+            s = steps[len(steps) // 2]
+            y = 2 * (len(ranks) - 1 - r.rank)
+            parts = [("forward", s.forward), ("backward", s.backward_compute), ("wait", s.wait)]
+            x = 0.0
+            for name, width in parts + [("optimizer", s.step - s.forward - s.backward)]:
+                ax.barh(y + 0.6, width * 1e3, left=x * 1e3, height=0.7, color=colours[name], label=name)
+                x += width
+            for _, issued, done in s.buckets:
+                ax.plot([(s.forward + issued) * 1e3, (s.forward + done) * 1e3], [y, y], color="black", lw=3)
+                ax.plot([(s.forward + issued) * 1e3], [y], marker="|", color="black", markersize=8)
+        ax.set_yticks([2 * (len(ranks) - 1 - r.rank) + 0.3 for r in ranks], [f"rank {r.rank}" for r in ranks])
+        ax.set_title(f"{kind} step (each rank's median)", fontsize=9)
+    axes[-1].set_xlabel("ms since the step began; black: each bucket's all-reduce, issued (|) to done")
+    handles, labels = axes[0].get_legend_handles_labels()
+    keep = dict(zip(labels, handles))
+    fig.legend(keep.values(), ["forward", "backward", "wait in backward", "optimizer + rest"], ncol=4, fontsize=8,
+               loc="outside lower center")  # fmt: skip
+    fig.suptitle(f"DDP steps on {len(ranks)} real gloo ranks, measured", fontsize=10)
+    return fig
