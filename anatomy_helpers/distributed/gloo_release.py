@@ -21,10 +21,10 @@ gloo's work item is gone, and so is every view it made (``ProcessGroupGloo::_all
 ``at::chunk`` views of the output, which hold the storage, not the alias). The caller gets its own tensors back and
 a work already completed. The collective is the same gloo collective on the same storages; the caller resumes a few
 microseconds later, with gloo done. Collectives issued with ``async_op=True`` are left alone (blocking them would
-move where a rank waits for a straggler, which lesson 08 shows): DDP's bucket all-reduces and ZeRO-1's broadcasts move buffers
-that live across steps, and DDP's broadcast of the model's buffers at the start of a step (2,048 B on the test
-model) is followed by no other communication buffer before backward, so a late free of theirs moves no figure
-(checked: every strategy's ranks equal their dry runs in the repeated N = 2 and 4 runs).
+move where a rank waits for a straggler, which lesson 08 shows): DDP's bucket all-reduces and ZeRO-1's broadcasts
+move buffers that live across steps, and DDP's broadcast of the model's buffers at the start of a step (2,048 B on
+the test model) is followed by no other communication buffer before backward, so a late free of theirs moves no
+figure (checked: every strategy's ranks equal their dry runs in the repeated N = 2 and 4 runs).
 """
 
 from __future__ import annotations
