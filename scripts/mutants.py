@@ -371,6 +371,14 @@ MUTANTS = [
         "pass",
         ("tests/test_levers.py::test_in_backward_never_holds_every_gradient_at_once",),
     ),
+    # ---- a real gloo rank frees in program order (gloo_release.py)
+    Mutant(
+        "gloo_release.caller-goes-on-while-gloo-holds-the-tensors",
+        "distributed/gloo_release.py",
+        "    _wait_released(aliases, before)\n",
+        "    pass\n",
+        ("tests/test_gloo_release.py",),
+    ),
     # ---- a fake rank of an N-rank world (fake_world.py)
     Mutant(
         "fake_world.batch-half-the-context",

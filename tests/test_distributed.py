@@ -228,4 +228,4 @@ def test_a_fake_rank_equals_each_real_rank_byte_for_byte(world, strategy):
     """fake_world.py's dry run of each rank of this world (N = 4: tests/test_fake_world.py)."""
     for rank in range(WORLD):
         fake = dry_run_rank(RankJob(strategy, steps=1, batch_size=4, model=SMALL), WORLD, rank).result
-        assert rank_differences(world[strategy][rank], fake, gloo_late_frees=True) == {}, (strategy, rank)
+        assert rank_differences(world[strategy][rank], fake) == {}, (strategy, rank)

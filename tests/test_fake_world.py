@@ -53,7 +53,7 @@ def test_every_fake_rank_equals_its_real_gloo_rank_byte_for_byte(world4, strateg
     for rank in range(WORLD):
         fake = dry_run_rank(job(strategy, WORLD), WORLD, rank).result
         assert fake.backend == "fake" and world4[strategy][rank].backend == "gloo"
-        assert rank_differences(world4[strategy][rank], fake, gloo_late_frees=True) == {}, (strategy, rank)
+        assert rank_differences(world4[strategy][rank], fake) == {}, (strategy, rank)
 
 
 def test_rank_differences_names_what_differs(world4):
@@ -218,4 +218,4 @@ def test_a_fake_2d_rank_equals_its_real_gloo_rank_byte_for_byte(world4, rank):
     """TP x FSDP2 on a (2, 2) mesh (distributed/mesh2d.py): the first rank of the first node, the last of the last."""
     real = world4["tp_fsdp"][rank]
     assert real.backend == "gloo" and real.world_size == WORLD
-    assert rank_differences(real, dry_run_rank(MESH_JOB, WORLD, rank).result, gloo_late_frees=True) == {}
+    assert rank_differences(real, dry_run_rank(MESH_JOB, WORLD, rank).result) == {}

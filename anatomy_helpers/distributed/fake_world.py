@@ -38,7 +38,9 @@ FAKE_RULES = {
     "collectives": "A fake collective moves no data and allocates nothing of its own: it returns its output "
     "tensors (allocated by the caller, as a real one's are) at once. Gloo's and NCCL's internal staging buffers are "
     "invisible to the tracker in real runs too (they live in the backend, not in torch tensors), so the tables count "
-    "the same buffers: the wrapper's (DDP's buckets, FSDP's all-gather and reduce-scatter outputs).",
+    "the same buffers: the wrapper's (DDP's buckets, FSDP's all-gather and reduce-scatter outputs). A real gloo "
+    "rank's blocking collectives return once gloo's worker thread has let go of their tensors (gloo_release.py), so "
+    "it frees them in program order, as a fake rank does.",
     "DDP start-up": "DDP checks that every rank's parameters have the same shapes and broadcasts rank 0's weights "
     "(init_sync); both read values a fake tensor lacks, so a fake rank skips them. What they allocate is freed "
     "before the first step, so the tracked steps see the same memory.",
@@ -52,14 +54,6 @@ FAKE_RULES = {
     "loss": "A fake loss has no value: the step does not read it (.item() allocates nothing anyway).",
     "kernel scratch": "Not measured by a real rank either (RankTracker(kernel_scratch=False)).",
 }
-
-#: Figures of a real gloo rank that depend on timing, and why. Gloo runs each collective on a worker thread, which
-#: lets go of the collective's tensors a moment after the caller's wait() has returned. When FSDP2 has already
-#: dropped its own reference by then, that buffer is freed on the worker thread, after allocations the caller made
-#: in between: in some real runs a rank's peak (and its communication peak) is higher by that buffer. Measured on
-#: the test model, FSDP2 ZeRO-3 at N = 4: 3 runs of 8 had one rank 90,816 B over its dry run; nothing else differed.
-#: A dry run (no worker thread) frees in program order: the real run's peak when the worker is quick.
-GLOO_TIMING = ("peak", "communication_peak")
 
 #: Collectives, not kernels: c10d's in-place ops (DDP, FSDP2, ZeRO) and the functional ones DTensor issues (tensor
 #: parallelism). They need a real process group to run, so the dry run's kernel check leaves them out.
@@ -295,20 +289,19 @@ def mesh_states_rule(model: dict, world_size: int, tp: int, rank: int = 0) -> di
 # ---- a fake rank against a real one, and the per-rank table at any N ----------------------------------------------
 
 
-def rank_differences(real: RankResult, fake: RankResult, *, gloo_late_frees: bool = False) -> dict[str, tuple]:
+def rank_differences(real: RankResult, fake: RankResult) -> dict[str, tuple]:
     """Every figure of a real rank's result that its dry run does not reproduce byte for byte: ``{name: (real,
     fake)}``, empty when they agree. Compared: the rank table's row (model states, communication before the step
     and at its peak, the peak), torch's own figures, the activation peak, the timeline's length, and the collectives
     (op and bytes, in order). DDP's buckets: a fake rank keeps DDP's first bucket assignment (FAKE_RULES), so for
-    DDP and ZeRO-1 the gradient all-reduces are compared by their total bytes, every other collective one by one.
-    ``gloo_late_frees``: a real rank's :data:`GLOO_TIMING` figures may be higher than the dry run's (never lower)."""
+    DDP and ZeRO-1 the gradient all-reduces are compared by their total bytes, every other collective one by one."""
     from .world import rank_row
 
     out: dict[str, tuple] = {}
     a, b = rank_row(real), rank_row(fake)
     for name in a.__dataclass_fields__:
         x, y = getattr(a, name), getattr(b, name)
-        if x != y and not (gloo_late_frees and name in GLOO_TIMING and x > y):
+        if x != y:
             out[name] = (x, y)
     for name in ("n_params", "torch_param_bytes", "torch_param_numel_bytes", "torch_grad_bytes", "torch_state_bytes"):
         if getattr(real, name) != getattr(fake, name):

@@ -39,6 +39,7 @@ from ..tensors import optimizer_state_tensors, storage_bytes
 from ..tracking.events import COMMUNICATION, GRADIENTS, Peak
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
+from .gloo_release import blocking, flat, run_blocking
 
 STRATEGIES = {
     "ddp": "DDP (gradients copied into buckets)",
@@ -147,10 +148,18 @@ class _Collectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tracker = self.tracker
         tracker._poll_watched()
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         if func.namespace == "c10d":
+            if tracker.gloo and blocking(func, args, kwargs):
+                # gloo's worker thread would otherwise drop its reference to the tensors after the caller went on,
+                # and free a buffer out of program order (gloo_release.py: why, with torch's source lines)
+                out = run_blocking(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
             tracker._on_collective(func, args, out)
-        elif func.namespace == "_c10d_functional" and func._schema.name.split("::")[-1] in FUNCTIONAL_COLLECTIVES:
+            return out
+        out = func(*args, **kwargs)
+        if func.namespace == "_c10d_functional" and func._schema.name.split("::")[-1] in FUNCTIONAL_COLLECTIVES:
             tracker._on_collective(func, args, out, mark=False)  # DTensor's (TP): noted, its tensors left as they are
         return out
 
@@ -164,11 +173,13 @@ class RankTracker(StepTracker):
     "communication" unless they turn out to be a model state (events.CATEGORY_PRECEDENCE). Every tensor a c10d op
     reads or writes that is no model state counts as communication too; each collective is noted in
     :attr:`collectives`. DTensors count by their local shards. Kernel scratch is not measured (one profiler
-    session per process would only add noise here).
+    session per process would only add noise here). ``gloo``: a real gloo rank, whose blocking collectives return
+    only once gloo's worker thread has let go of their tensors (gloo_release.py), so every free is in program order.
     """
 
-    def __init__(self, model, optimizer, *, accumulate: bool = False, communication=(), watched=()):
+    def __init__(self, model, optimizer, *, accumulate: bool = False, communication=(), watched=(), gloo=False):
         super().__init__(model, optimizer, kernel_scratch=False, accumulate=accumulate)
+        self.gloo = gloo  # a real gloo rank: its blocking collectives run by gloo_release.run_blocking
         self._communication = list(communication)
         self._watched = list(watched)
         self._watched_ids: list[tuple[torch.Tensor, int | None]] = []  # (watched tensor, its allocation id)
@@ -216,10 +227,10 @@ class RankTracker(StepTracker):
     def _on_collective(self, func, args, out, mark: bool = True) -> None:
         if not self.recording:
             return
-        for t in _flat(args) if mark else ():
+        for t in flat(args) if mark else ():
             if isinstance(t, torch.Tensor):
                 self.mark(t, COMMUNICATION)
-        outs = [o for o in _flat(out) if isinstance(o, torch.Tensor)]
+        outs = [o for o in flat(out) if isinstance(o, torch.Tensor)]
         self.collectives.append(
             Collective(
                 index=self.samples - 1,
@@ -230,14 +241,6 @@ class RankTracker(StepTracker):
                 bytes=sum(_local(o).nbytes for o in outs),
             )
         )
-
-
-def _flat(x):
-    if isinstance(x, (list, tuple)):
-        for item in x:
-            yield from _flat(item)
-    else:
-        yield x
 
 
 # ---- one rank -------------------------------------------------------------------------------------------------
@@ -253,7 +256,7 @@ class _BufferSpy(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d":
-            for a in _flat(args):
+            for a in flat(args):
                 if isinstance(a, torch.Tensor):
                     a = _local(a)
                     self.refs[a.untyped_storage()._cdata] = weakref.ref(a)
@@ -389,7 +392,12 @@ def run_job(
     state_owner = getattr(opt, "optim", opt)
     communication = [t for t in spy.alive() if not any(t.untyped_storage()._cdata == _cdata(p) for p in params)]
     tracker = RankTracker(
-        gpt, opt, accumulate=job.micro_batches > 1, communication=communication, watched=_fsdp_buffers(gpt)
+        gpt,
+        opt,
+        accumulate=job.micro_batches > 1,
+        communication=communication,
+        watched=_fsdp_buffers(gpt),
+        gloo=dist.get_backend() == "gloo",
     )
     straggle = None
     if job.straggler_s > 0 and rank == world_size - 1:
