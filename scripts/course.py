@@ -132,10 +132,7 @@ def find_env(here: bool) -> Env:
 
 
 def pip(env: Env, args: list[str], quiet: bool = True, check: bool = True) -> subprocess.CompletedProcess:
-    """pip install into ``env``. --no-compile: pip would byte-compile every file it installs, most of which the
-    course never imports; Python compiles what is imported, once, on first use. A setup took half the CPU time
-    (38 s against 75 s for torch and requirements-dev.txt)."""
-    cmd = [str(env.python), "-m", "pip", "install", "--no-compile", *(["-q"] if quiet else []), *args]
+    cmd = [str(env.python), "-m", "pip", "install", *(["-q"] if quiet else []), *args]
     return subprocess.run(cmd, check=check, cwd=ROOT)
 
 
@@ -151,7 +148,7 @@ def install_torch(env: Env, gpu: bool, wheelhouse: Path | None) -> None:
         # The last attempt is the download (about 190 MB, minutes on a slow line): pip shows what it fetches and,
         # in a terminal, its progress bar. Earlier attempts are quiet: their failure is expected and not shown.
         done = subprocess.run(
-            [str(env.python), "-m", "pip", "install", "--no-compile", *([] if last else ["-q"]), *args],
+            [str(env.python), "-m", "pip", "install", *([] if last else ["-q"]), *args],
             cwd=ROOT, capture_output=not last, text=True,
         )  # fmt: skip
         if done.returncode == 0:
