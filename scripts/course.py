@@ -132,6 +132,9 @@ def find_env(here: bool) -> Env:
 
 
 def pip(env: Env, args: list[str], quiet: bool = True, check: bool = True) -> subprocess.CompletedProcess:
+    """pip install into ``env``. pip byte-compiles what it installs, and that stays: --no-compile halved the setup's
+    CPU time, but where PYTHONDONTWRITEBYTECODE is set (CI machines, some containers) Python then compiled torch again
+    in every process that imported it, and a fresh-clone suite took 150 s longer."""
     cmd = [str(env.python), "-m", "pip", "install", *(["-q"] if quiet else []), *args]
     return subprocess.run(cmd, check=check, cwd=ROOT)
 
