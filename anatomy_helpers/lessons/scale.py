@@ -241,11 +241,12 @@ def plot_timed_step(ranks: Sequence, kinds: Sequence[str] = ("synced", "straggle
     """One step of each of ``kinds`` on each rank (its median step), one panel per kind: forward, backward until
     its last bucket was issued, its wait for the all-reduces, the optimizer and the rest; under each rank, when
     each bucket's all-reduce was issued and done. Returns the Figure."""
-    from ..plots import FIGURE_WIDTH_IN, CourseFigure
+    from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure
 
     fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 1.0 + 1.3 * len(kinds) * len(ranks) / 2), layout="constrained")
     axes = fig.subplots(len(kinds), 1, sharex=True, squeeze=False)[:, 0]
-    colours = {"forward": "tab:blue", "backward": "tab:orange", "wait": "tab:red", "optimizer": "tab:green"}
+    # the phases in the greys every timeline shades them with; the wait in the colour of communication buffers
+    colours = {**PHASE_SHADES, "wait": CATEGORY_COLORS["communication"]}
     for ax, kind in zip(axes, kinds):
         for r in ranks:
             steps = sorted(r.of(kind), key=lambda s: s.step)
@@ -254,7 +255,8 @@ def plot_timed_step(ranks: Sequence, kinds: Sequence[str] = ("synced", "straggle
             parts = [("forward", s.forward), ("backward", s.backward_compute), ("wait", s.wait)]
             x = 0.0
             for name, width in parts + [("optimizer", s.step - s.forward - s.backward)]:
-                ax.barh(y + 0.6, width * 1e3, left=x * 1e3, height=0.7, color=colours[name], label=name)
+                ax.barh(y + 0.6, width * 1e3, left=x * 1e3, height=0.7, color=colours[name], edgecolor="#999",
+                        label=name)  # fmt: skip
                 x += width
             for _, issued, done in s.buckets:
                 ax.plot([(s.forward + issued) * 1e3, (s.forward + done) * 1e3], [y, y], color="black", lw=3)
