@@ -33,6 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 #: How long gloo may hold a finished collective's tensors before we call it a hang (s). It lets go within
 #: microseconds once its worker thread runs.
@@ -60,18 +61,18 @@ def run_blocking(func, args, kwargs):
         aliases.append(a)
         return a
 
-    args, kwargs = _map(tuple(args), alias), {k: _map(v, alias) for k, v in kwargs.items()}
+    args, kwargs = tree_map_only(torch.Tensor, alias, (tuple(args), dict(kwargs)))
     before = _references(aliases)
     out = func(*args, **kwargs)
     del args, kwargs
     as_tuple = isinstance(out, tuple)  # (tensors..., work), or a work alone (barrier)
     tensors, work = (out[:-1], out[-1]) if as_tuple else ((), out)
     dist.Work.unbox(work).wait()  # raises as the caller's wait() would
-    tensors = _map(tensors, lambda t: originals.get(id(t), t))
+    tensors = tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), tensors)
     del out, work  # the work and its future: now held by gloo's worker thread alone, if at all
     _wait_released(aliases, before)
     done = torch.futures.Future()
-    done.set_result([t for t in flat(tensors) if isinstance(t, torch.Tensor)])
+    done.set_result([t for t in tree_leaves(tensors) if isinstance(t, torch.Tensor)])
     done_work = torch._C._distributed_c10d._create_work_from_future(done).boxed()
     return (*tensors, done_work) if as_tuple else done_work
 
@@ -97,21 +98,3 @@ def _wait_released(aliases: list[torch.Tensor], before: list[int]) -> None:
             )
         time.sleep(pause)  # lets gloo's worker thread run
         pause = min(2 * pause + 1e-5, 1e-3)
-
-
-def _map(x, fn):
-    """``x`` with ``fn`` applied to each tensor in it (nested lists and tuples kept as they are)."""
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(item, fn) for item in x)
-    return x
-
-
-def flat(x):
-    """The leaves of nested lists and tuples (an op's arguments or results)."""
-    if isinstance(x, (list, tuple)):
-        for item in x:
-            yield from flat(item)
-    else:
-        yield x

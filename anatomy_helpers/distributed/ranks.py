@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..step import StepPlan, run_step
 from ..tensors import optimizer_state_tensors, storage_bytes
 from ..tracking.events import COMMUNICATION, GRADIENTS, Peak
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
-from .gloo_release import blocking, flat, run_blocking
+from .gloo_release import blocking, run_blocking
 
 STRATEGIES = {
     "ddp": "DDP (gradients copied into buckets)",
@@ -150,12 +151,10 @@ class _Collectives(TorchDispatchMode):
         tracker._poll_watched()
         kwargs = kwargs or {}
         if func.namespace == "c10d":
-            if tracker.gloo and blocking(func, args, kwargs):
-                # gloo's worker thread would otherwise drop its reference to the tensors after the caller went on,
-                # and free a buffer out of program order (gloo_release.py: why, with torch's source lines)
-                out = run_blocking(func, args, kwargs)
-            else:
-                out = func(*args, **kwargs)
+            # a blocking gloo op returns once gloo's worker thread has let go of its tensors, or a buffer would be
+            # freed out of program order (gloo_release.py: why, with torch's source lines)
+            gloo_blocking = tracker.gloo and blocking(func, args, kwargs)
+            out = run_blocking(func, args, kwargs) if gloo_blocking else func(*args, **kwargs)
             tracker._on_collective(func, args, out)
             return out
         out = func(*args, **kwargs)
@@ -227,10 +226,10 @@ class RankTracker(StepTracker):
     def _on_collective(self, func, args, out, mark: bool = True) -> None:
         if not self.recording:
             return
-        for t in flat(args) if mark else ():
+        for t in tree_leaves(args) if mark else ():
             if isinstance(t, torch.Tensor):
                 self.mark(t, COMMUNICATION)
-        outs = [o for o in flat(out) if isinstance(o, torch.Tensor)]
+        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         self.collectives.append(
             Collective(
                 index=self.samples - 1,
@@ -256,7 +255,7 @@ class _BufferSpy(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d":
-            for a in flat(args):
+            for a in tree_leaves(args):
                 if isinstance(a, torch.Tensor):
                     a = _local(a)
                     self.refs[a.untyped_storage()._cdata] = weakref.ref(a)
