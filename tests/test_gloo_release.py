@@ -92,3 +92,34 @@ def test_the_caller_gets_its_own_tensors_and_a_completed_work_with_gloo_holding_
 def test_an_error_in_the_collective_reaches_the_caller():
     with gloo_of_one(), Blocking(), pytest.raises(RuntimeError):
         dist.all_gather_single(torch.empty(3), torch.ones(2))  # sizes that do not match
+
+
+def test_run_blocking_waits_for_a_worker_thread_that_lets_go_late():
+    """gloo's race made deterministic: a stand-in collective whose worker thread completes the work at once and
+    keeps its reference to the tensor (and a view of it, as _allgather_base's chunks) for 50 ms more. run_blocking
+    must return only after the thread let go; a caller going on at once would find the storage still held."""
+    import threading
+    import time
+
+    x = torch.arange(4.0)
+    held = holders(x)
+    released = threading.Event()
+
+    def late_collective(t, async_op=False):
+        done = torch.futures.Future()
+        done.set_result([t])
+        work = torch._C._distributed_c10d._create_work_from_future(done).boxed()
+        box = [t, t[:2]]  # the worker's reference and a view it made
+
+        def worker():
+            time.sleep(0.05)
+            box.clear()
+            released.set()
+
+        threading.Thread(target=worker).start()
+        return t, work
+
+    t, work = run_blocking(late_collective, (x,), {"async_op": False})
+    assert released.is_set()  # returned only after the worker let go
+    assert t is x and dist.Work.unbox(work).is_completed()
+    assert holders(x) == held
