@@ -79,8 +79,8 @@ def test_bad_tp_degrees_are_refused_before_anything_starts():
         check_tp(CFG, 3)
     with pytest.raises(ValueError, match="positive integer"):
         check_tp(CFG, 0)
-    with pytest.raises(ValueError, match="GPT-2 block"):
-        check_tp(ModelConfig(n_layer=1, d_model=64, n_head=4, seq_len=16, block="llama"), 2)
+    with pytest.raises(ValueError, match="key/value heads"):  # the Llama block: whole key/value heads too
+        check_tp(ModelConfig(n_layer=1, d_model=64, n_head=4, n_kv_head=1, seq_len=16, block="llama"), 2)
     with pytest.raises(ValueError, match="must divide n_head"):
         tp_dry_run(CFG, 16)
     assert not dist.is_initialized()
