@@ -117,7 +117,7 @@ def test_sequence_parallel_gathers_the_swiglu_input_once(runs):
         assert ops.count("reduce_scatter_tensor") == 2 * LLAMA.n_layer, ops
 
 
-def test_the_gqa_qkv_rows_in_rank_order_give_each_rank_its_query_heads_and_the_kv_heads_they_share():
+def test_the_gqa_qkv_rank_order_gives_each_rank_its_heads():
     H, K, D, t = 8, 2, 4, 2  # rank r: query heads 4r..4r+3, which repeat_interleave maps to key/value head r
     order = qkv_rank_order(H * D, t, K * D)
     assert sorted(order.tolist()) == list(range((H + 2 * K) * D))
