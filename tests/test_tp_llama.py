@@ -201,3 +201,20 @@ def test_two_real_gloo_ranks_keep_what_the_dry_run_says_and_compute_what_the_who
         for rank in real[strategy]:
             assert rank.loss == pytest.approx(rank.whole_loss, rel=1e-6), (strategy, rank)
             assert rank.max_grad_error < 1e-5 and rank.n_grads > 0, (strategy, rank)
+
+
+def test_the_lessons_tables_print_each_term_and_each_part(runs):
+    """Notebook 11's two tables: the formula term by term (format_llama_terms) and the parts side by side."""
+    from anatomy_helpers.distributed.tensor_parallel import format_llama_terms
+    from anatomy_helpers.lessons.scale import format_tp_columns
+
+    terms = format_llama_terms(LLAMA, BATCH)
+    assert all(term in terms for term, *_ in LLAMA_TERMS)
+    assert f"{sum(llama_tp_terms(64, BATCH, 128, 16, 512, 8).values()):,.0f}" in terms.splitlines()[-1]
+    with pytest.raises(ValueError, match="Llama block"):
+        format_llama_terms(ModelConfig(n_layer=1, d_model=32, n_head=4, seq_len=8), 2)
+    layers = {f"t={t}": compare_tp_layer(runs[(t, False)], LLAMA, BATCH) for t in (2, 8)}
+    table = format_tp_columns(layers)
+    last = table.splitlines()[-1].split()
+    assert last[0] == "total" and len(last) == 7
+    assert last[1] == f"{sum(layer_parts(runs[(2, False)].trace).values()):,}"

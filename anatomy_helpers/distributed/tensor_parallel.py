@@ -349,3 +349,21 @@ class TPEqualityJob:
             ref = ref[order] if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias") else ref
             error = max(error, ((grad - ref).abs().max() / ref.abs().max()).item())
         return TPEquality(self.strategy, rank, losses[0].item(), losses[1].item(), error, len(reference))
+
+
+def format_llama_terms(cfg: ModelConfig, b: int, degrees: tuple[int, ...] = (2, 8)) -> str:
+    """:data:`LLAMA_TERMS` of ``cfg``'s block, micro-batch ``b``: each term on one rank at each TP degree (bytes,
+    16-bit, plain TP), and whether TP splits it ("1/t") or every rank keeps it whole."""
+    from ..tables import Col, format_table
+
+    if cfg.block != "llama":
+        raise ValueError(f"LLAMA_TERMS are the Llama block's terms; this model's block is {cfg.block!r}")
+    per_t = {t: block_tp_terms(cfg, b, t) for t in degrees}
+    cols = [Col("term", 26, align="<"), Col("module", 15, align="<"), Col("split", 5, align="<")]
+    cols += [Col(f"t={t}", 9, ",.0f") for t in degrees]
+    rows = [
+        [term, module, "1/t" if sharded else "whole"] + [per_t[t][term] for t in degrees]
+        for term, module, *_, sharded in LLAMA_TERMS
+    ]
+    rows.append(["total", "", ""] + [sum(per_t[t].values()) for t in degrees])
+    return format_table(cols, rows, note="(bytes, one block, one rank, the formula)")
