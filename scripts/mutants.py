@@ -43,7 +43,7 @@ T_TRACE = ("tests/test_trace_oracles.py",)
 T_ALLOC = ("tests/test_allocator.py",)
 T_EST = ("tests/test_estimate.py::test_block_terms_name_the_big_tensors_by_hand", "tests/test_closed_form_oracles.py")
 T_CKPT = ("tests/test_checkpointing.py",)
-T_GQA = "tests/test_tp_llama.py::test_the_gqa_qkv_rank_order_gives_each_rank_its_heads"
+T_GQA = "tests/test_tensor_parallel.py::test_the_gqa_qkv_rank_order_gives_each_rank_its_heads"
 
 MUTANTS = [
     # ---- the trace: peaks, phase peaks, windows, moments

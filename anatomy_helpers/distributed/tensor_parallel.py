@@ -367,3 +367,30 @@ def format_llama_terms(cfg: ModelConfig, b: int, degrees: tuple[int, ...] = (2, 
     ]
     rows.append(["total", "", ""] + [sum(per_t[t].values()) for t in degrees])
     return format_table(cols, rows, note="(bytes, one block, one rank, the formula)")
+
+
+@dataclass
+class LabelledJob:
+    """A :class:`~anatomy_helpers.distributed.ranks.RankJob` whose results :func:`~anatomy_helpers.distributed.
+    world.run_world` files under ``label`` instead of its strategy, so that one world (one start of the processes)
+    can run one strategy on two models, e.g. "tp" on GPT-2's block and on Llama's."""
+
+    job: object  # RankJob
+    label: str
+
+    @property
+    def strategy(self) -> str:
+        return self.label
+
+    @property
+    def batch_size(self) -> int:
+        return self.job.batch_size
+
+    @property
+    def micro_batches(self) -> int:
+        return self.job.micro_batches
+
+    def run_rank(self, rank: int, world_size: int, device: torch.device):
+        from .ranks import run_job
+
+        return dataclasses.replace(run_job(self.job, rank, world_size, device), strategy=self.label)

@@ -148,7 +148,7 @@ def llama_tp_layers(
 ) -> dict[str, list[TPPart]]:
     """Block 0 of the Llama block on a dry-run rank 0 of each t-way TP group, part by part against
     :data:`~anatomy_helpers.distributed.tensor_parallel.LLAMA_TERMS`: ``{"t=2": [TPPart, ...], ...}``. (At t = 2
-    the dry run equals two real gloo ranks byte for byte: tests/test_tp_llama.py runs both.)"""
+    the dry run equals two real gloo ranks byte for byte: tests/test_tensor_parallel.py runs both.)"""
     return {f"t={t}": compare_tp_layer(tp_dry_run(cfg, t, batch_size=batch_size), cfg, batch_size) for t in degrees}
 
 
