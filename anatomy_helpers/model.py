@@ -250,9 +250,15 @@ class LlamaAttention(CausalSelfAttention):
             self.register_buffer("mask", mask.view(1, 1, cfg.seq_len, cfg.seq_len), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        D, H, K = self.cfg.head_dim, self.cfg.n_head, self.cfg.kv_heads
-        q, k, v = self.qkv(x).split([H * D, K * D, K * D], dim=2)  # (B, T, H*D), (B, T, K*D), (B, T, K*D)
+        B, T, _ = x.shape
+        D, group = self.cfg.head_dim, self.cfg.n_head // self.cfg.kv_heads  # group: query heads per k/v head
+        qkv = self.qkv(x)  # (B, T, (H + 2K) * D)
+        # K and H from qkv's own width, (group + 2) * K * D: under tensor parallelism this rank computes only its
+        # share of the heads (K/t key/value heads and the H/t query heads they serve)
+        K = qkv.shape[-1] // ((group + 2) * D)
+        H = group * K
+        q, k, v = qkv.split([H * D, K * D, K * D], dim=2)  # (B, T, H*D), (B, T, K*D), (B, T, K*D)
+        del qkv  # the views keep its storage; nothing else may (as in CausalSelfAttention)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
@@ -262,7 +268,7 @@ class LlamaAttention(CausalSelfAttention):
             k = k.repeat_interleave(H // K, dim=1)  # (B, H, T, D)
             v = v.repeat_interleave(H // K, dim=1)  # (B, H, T, D)
         y = attention_core(self.attend, q, k, v, policy=self.cfg.checkpoint)  # (B, H, T, D)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, H * D)  # (B, T, H*D): this rank's heads side by side
         return self.resid_drop(self.proj(y))
 
 

@@ -43,6 +43,7 @@ T_TRACE = ("tests/test_trace_oracles.py",)
 T_ALLOC = ("tests/test_allocator.py",)
 T_EST = ("tests/test_estimate.py::test_block_terms_name_the_big_tensors_by_hand", "tests/test_closed_form_oracles.py")
 T_CKPT = ("tests/test_checkpointing.py",)
+T_GQA = "tests/test_tensor_parallel.py::test_the_gqa_qkv_rank_order_gives_each_rank_its_heads"
 
 MUTANTS = [
     # ---- the trace: peaks, phase peaks, windows, moments
@@ -400,6 +401,21 @@ MUTANTS = [
         "v / t if sequence_parallel or term in TP_SHARDED_TERMS else v",
         "v / t if term in TP_SHARDED_TERMS else v",
         ("tests/test_tensor_parallel.py::test_the_terms_sum_to_the_papers_closed_forms",),
+    ),
+    # ---- the Llama block's split (tp_plan.py): grouped-query qkv rows in rank order
+    Mutant(
+        "tp_plan.qkv-rows-not-interleaved",
+        "distributed/tp_plan.py",
+        "for r in range(t) for start, w in zip(starts, widths)]",
+        "for start, w in zip(starts, widths) for r in range(t)]",
+        (T_GQA,),
+    ),
+    Mutant(
+        "tp_plan.gqa-v-after-a-q-wide-k",
+        "distributed/tp_plan.py",
+        "starts, widths = (0, n_embd, n_embd + kv_width),",
+        "starts, widths = (0, n_embd, 2 * n_embd),",
+        (T_GQA,),
     ),
     # ---- the synchronization model (sync_model.py)
     Mutant(

@@ -269,7 +269,7 @@ def mesh_states_rule(model: dict, world_size: int, tp: int, rank: int = 0) -> di
     check_tp(cfg, tp)
     with torch.device("meta"):
         gpt = GPT(cfg)
-    split = tp_split_dims()
+    split = tp_split_dims(block=cfg.block)
     dp_rank = rank // tp
     params = grads = moments = 0
     for name, p in gpt.named_parameters():

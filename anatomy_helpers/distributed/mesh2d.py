@@ -74,7 +74,7 @@ def parallelize_2d(gpt: GPT, mesh, reshard_after_forward: bool = True) -> GPT:
 # ---- one rank's model states from the shapes alone -----------------------------------------------------------
 
 
-def tp_split_dims(sequence_parallel: bool = False) -> dict[str, int]:
+def tp_split_dims(sequence_parallel: bool = False, block: str = "gpt2") -> dict[str, int]:
     """``{parameter name in a block: the dim TP shards}`` read from the plan itself: ColwiseParallel shards a
     Linear's weight and bias along dim 0 (output features), RowwiseParallel its weight along dim 1 (input
     features) and keeps its bias whole; every other parameter is whole on each TP rank (torch's TP docs)."""
@@ -83,7 +83,7 @@ def tp_split_dims(sequence_parallel: bool = False) -> dict[str, int]:
     from .tp_plan import tp_plan
 
     out = {}
-    for module, style in tp_plan(sequence_parallel).items():
+    for module, style in tp_plan(sequence_parallel, block).items():
         if isinstance(style, ColwiseParallel):
             out.update({f"{module}.weight": 0, f"{module}.bias": 0})
         elif isinstance(style, RowwiseParallel):

@@ -7,7 +7,9 @@ t-way tensor parallelism (Megatron-LM, Shoeybi et al. 2019) splits each block's 
 ``4h / t`` MLP columns. Sequence parallelism (Korthikanti et al. 2022) also splits the LayerNorms and dropouts,
 which TP leaves replicated, along the sequence (``SequenceParallel``): the all-reduce becomes a reduce-scatter and
 an all-gather. Only the blocks are parallelised (:mod:`~anatomy_helpers.distributed.tp_plan`, which real ranks use
-too); the embedding and the head stay replicated on every rank.
+too); the embedding and the head stay replicated on every rank. The Llama block splits the same way (its fused
+qkv of grouped-query attention, its SwiGLU's gate and up column-wise, the two projections row-wise); its terms,
+which the paper does not cover, are derived here in the paper's style (:data:`LLAMA_TERMS`).
 
 :func:`tp_dry_run` runs one rank of a t-way group on torch's fake process group and fake tensors (as
 :mod:`~anatomy_helpers.distributed.fake_world` does for data parallelism), through the course's one step, and
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import positive_int
 from ..model import GPT, ModelConfig
 from ..prediction.formulas import korthikanti_terms
 from .tp_plan import check_tp, parallelize_gpt
@@ -63,6 +66,67 @@ def korthikanti_tp_terms(s: int, b: int, h: int, a: int, t: int, sequence_parall
     ``sbh (10 + 24/t + 5as/(ht))`` and ``sbh/t (34 + 5as/h)`` (section 4.2.2 and 4.2.3)."""
     whole = korthikanti_terms(s, b, h, a)
     return {term: v / t if sequence_parallel or term in TP_SHARDED_TERMS else v for term, v in whole.items()}
+
+
+# ---- the Llama block: its terms in Korthikanti's style -----------------------------------------------------------
+
+#: One Llama block's activations (model.py's LlamaBlock: RMSNorm, rotary grouped-query attention, SwiGLU, dropout),
+#: derived in the style of Korthikanti et al. section 4.1 (which covers only GPT-2's block), from what autograd
+#: saves in the block's code: 16-bit activations, 1-byte dropout masks, materialised attention, micro-batch b > 1.
+#: ``F`` is the MLP width (the course's ``mlp_ratio * h``; Llama's own is about 8h/3). Rows: (term, the module that
+#: saves it, bytes per unit, unit, sharded by plain TP). Under t-way TP the rows marked True (inside the column/row
+#: split pairs: Q, K, V, the scores, the out-proj input, the SwiGLU's F-wide tensors) hold 1/t per rank; the others
+#: (both norms' tensors, the qkv and gate/up inputs, the two residual dropout masks: 14 sbh) stay whole on every
+#: rank. With sequence parallelism every row is 1/t. What the derivation found by measuring:
+#:
+#: * RMSNorm (unfused, as Llama's reference code) saves its input x and the normalised ``x * rms`` (the weight's
+#:   multiply needs it), plus ``rms`` itself (b x s, left out as Korthikanti leaves out LayerNorm's mean/rstd);
+#:   a fused RMSNorm kernel keeps only x and rms.
+#: * rotary positions save nothing but the cos/sin tables (buffers): Q and K are the rotated copies.
+#: * grouped-query attention: autograd keeps K and V *after* ``repeat_interleave`` (H heads, what the matmuls
+#:   read), not the K/H of them before it; so K and V cost as much as without GQA. Only the qkv weight shrinks.
+#: * gate and up read the same input, saved once; SwiGLU keeps SiLU's input (gate's output), SiLU's output and up's
+#:   output for ``silu(g) * u``, and the product is the down projection's input: four F-wide tensors.
+LLAMA_TERMS = (
+    ("RMSNorm inputs", "ln1+ln2", 4, "sbh", False),
+    ("RMSNorm normalised inputs", "ln1+ln2", 4, "sbh", False),
+    ("QKV input", "attn.qkv", 2, "sbh", False),
+    ("Q and K (rotated)", "attn", 4, "sbh", True),
+    ("V (repeated to H heads)", "attn", 2, "sbh", True),
+    ("softmax output", "attn", 2, "as^2b", True),
+    ("softmax dropout mask", "attn.attn_drop", 1, "as^2b", True),
+    ("dropout output", "attn", 2, "as^2b", True),
+    ("out-proj input", "attn.proj", 2, "sbh", True),
+    ("attn dropout mask", "attn.resid_drop", 1, "sbh", False),
+    ("gate/up input", "mlp.gate", 2, "sbh", False),
+    ("SiLU input (gate output)", "mlp", 2, "sbF", True),
+    ("SiLU output", "mlp", 2, "sbF", True),
+    ("up output", "mlp", 2, "sbF", True),
+    ("down input", "mlp.proj", 2, "sbF", True),
+    ("MLP dropout mask", "mlp.drop", 1, "sbh", False),
+)
+LLAMA_TERM_MODULE = {term: module for term, module, *_ in LLAMA_TERMS}
+
+
+def llama_tp_terms(s: int, b: int, h: int, a: int, F: int, t: int, sequence_parallel: bool = False) -> dict[str, float]:
+    """One Llama layer's activation bytes on one of ``t`` ranks, per term of :data:`LLAMA_TERMS` (``F`` the MLP
+    width). They sum to ``sbh (14 + (8 + 8F/h)/t + 5as/(ht))`` under TP and ``sbh/t (22 + 8F/h + 5as/h)`` with
+    sequence parallelism; at F = 4h, ``sbh (14 + 40/t + 5as/(ht))`` against GPT-2's ``sbh (10 + 24/t + ...)``."""
+    for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("F", F), ("t", t)):
+        positive_int(name, value)
+    per_unit = {"sbh": s * b * h, "as^2b": a * s * s * b, "sbF": s * b * F}
+    return {
+        term: coef * per_unit[unit] / (t if sequence_parallel or sharded else 1)
+        for term, _, coef, unit, sharded in LLAMA_TERMS
+    }
+
+
+def block_tp_terms(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool = False) -> dict[str, float]:
+    """The per-term formula of ``cfg``'s block on one of ``t`` ranks: Korthikanti's (GPT-2) or :data:`LLAMA_TERMS`."""
+    s, h, a = cfg.seq_len, cfg.d_model, cfg.n_head
+    if cfg.block == "llama":
+        return llama_tp_terms(s, b, h, a, cfg.mlp_ratio * h, t, sequence_parallel)
+    return korthikanti_tp_terms(s, b, h, a, t, sequence_parallel)
 
 
 #: DTensor's warning on CPU meshes (torch/distributed/tensor/_random.py), silenced inside :func:`tp_dry_run` only.
@@ -140,11 +204,13 @@ def layer_parts(trace, layer: int = 0) -> dict[str, int]:
     return out
 
 
-def formula_parts(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool = False) -> dict[str, float]:
-    """:func:`korthikanti_tp_terms` summed by the module that saves each term (:data:`TERM_MODULE`)."""
+def formula_parts(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool = False) -> dict[str, float]:
+    """:func:`block_tp_terms` summed by the module that saves each term (:data:`TERM_MODULE`,
+    :data:`LLAMA_TERM_MODULE`)."""
+    where = LLAMA_TERM_MODULE if cfg.block == "llama" else TERM_MODULE
     out: dict[str, float] = {}
-    for term, v in korthikanti_tp_terms(s, b, h, a, t, sequence_parallel).items():
-        out[TERM_MODULE[term]] = out.get(TERM_MODULE[term], 0) + v
+    for term, v in block_tp_terms(cfg, b, t, sequence_parallel).items():
+        out[where[term]] = out.get(where[term], 0) + v
     return out
 
 
@@ -155,6 +221,7 @@ GAP_REASONS = {
     "mask dtype": "CPU dropout keeps its mask in the activation dtype, not in 1 byte (the fused CUDA kernel's)",
     "causal mask": "masked_fill saves ~mask (s x s bool), which the formula leaves out",
     "LN mean/rstd": "LayerNorm's mean and rstd (b x s each, per LayerNorm), which the formula leaves out",
+    "RMS": "RMSNorm's rms (b x s, per RMSNorm), which the formula leaves out",
     "gathered input": "torch's ColwiseParallel all-gathers the sequence shards before the GEMM and autograd saves "
     "the whole input; Megatron's sequence parallelism saves the shard and gathers it again in backward",
 }
@@ -173,12 +240,21 @@ class TPPart:
 
 
 def compare_tp_layer(run: TPRun, cfg: ModelConfig, batch_size: int, layer: int = 0) -> list[TPPart]:
-    """Block ``layer`` of a :func:`tp_dry_run` part by part against :func:`formula_parts`, with the gap each
-    known difference makes (16-bit models: the formula assumes 2-byte activations; fp32 doubles every term)."""
-    s, b, h, a, t, sp = cfg.seq_len, batch_size, cfg.d_model, cfg.n_head, run.t, run.sequence_parallel
+    """Block ``layer`` of a :func:`tp_dry_run` part by part against :func:`formula_parts` (GPT-2's or Llama's
+    block), with the gap each known difference makes (16-bit models: the formula assumes 2-byte activations; fp32
+    doubles every term)."""
+    s, b, h, t, sp = cfg.seq_len, batch_size, cfg.d_model, run.t, run.sequence_parallel
+    llama = cfg.block == "llama"
+    if llama and b == 1 and cfg.kv_heads == cfg.n_head:
+        raise ValueError(
+            "the Llama terms assume a micro-batch b > 1 or grouped-query attention: at b = 1 with one key/value head "
+            "per query head the core's matmul keeps v as a view of the whole qkv output (its q and k columns too)"
+        )
     elem = torch.empty(0, dtype=cfg.torch_dtype).element_size()
     measured = layer_parts(run.trace, layer)
-    formula = formula_parts(s, b, h, a, t, sp)
+    formula = formula_parts(cfg, b, t, sp)
+    norm_stats = 1 if llama else 2  # per token: RMSNorm's rms; LayerNorm's mean and rstd
+    gathered = ("attn.qkv", "mlp.gate") if llama else ("attn.qkv", "mlp.fc")  # ColwiseParallel's gathered inputs
     rows = []
     for module in sorted(set(measured) | set(formula)):
         gap, why = 0, ""
@@ -187,8 +263,8 @@ def compare_tp_layer(run: TPRun, cfg: ModelConfig, batch_size: int, layer: int =
         elif module == "attn" and cfg.attn_impl == "manual":
             gap, why = s * s, "causal mask"
         elif module == "ln1+ln2":
-            gap, why = 2 * 2 * b * (s // t if sp else s) * elem, "LN mean/rstd"
-        elif module in ("attn.qkv", "mlp.fc") and sp:
+            gap, why = 2 * norm_stats * b * (s // t if sp else s) * elem, "RMS" if llama else "LN mean/rstd"
+        elif module in gathered and sp:
             gap, why = int(2 * s * b * h - formula[module]), "gathered input"
         rows.append(TPPart(module, measured.get(module, 0), formula.get(module, 0.0), gap, why))
     return rows
@@ -210,3 +286,111 @@ def format_tp_layer(parts: list[TPPart]) -> str:
         ["total", sum(p.measured for p in parts), sum(p.formula for p in parts), sum(p.known_gap for p in parts), ""]
     )
     return format_table(cols, rows, note="(bytes, one block, one rank)")
+
+
+# ---- the split model computes what the whole one does (real ranks) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPEquality:
+    """One real rank: the loss of the parallelised model and of the whole one on the same batch, and the largest
+    gradient difference over all parameters, relative to that parameter's largest gradient."""
+
+    strategy: str
+    rank: int
+    loss: float
+    whole_loss: float
+    max_grad_error: float
+    n_grads: int  # parameters compared (every one of the model's)
+
+
+@dataclass
+class TPEqualityJob:
+    """A job for :func:`~anatomy_helpers.distributed.world.run_world`: every rank builds the course GPT ``model``
+    (ModelConfig overrides; dropout must be 0: DTensor draws its masks otherwise) twice from one seed, parallelises
+    one copy over all ranks (:func:`~anatomy_helpers.distributed.tp_plan.parallelize_gpt`), runs forward and
+    backward of both on the same batch and compares the loss and every gradient (DTensor shards gathered with
+    ``full_tensor``, the qkv rows taken back out of rank order)."""
+
+    model: dict
+    sequence_parallel: bool = False
+    batch_size: int = 4
+    micro_batches: int = 1  # run_world's check reads it: every rank trains the same rows
+
+    @property
+    def strategy(self) -> str:  # what run_world keys the results by
+        block = ModelConfig(**self.model).block
+        return f"{'tp_sp' if self.sequence_parallel else 'tp'}_equality_{block}"
+
+    def run_rank(self, rank: int, world_size: int, device: torch.device) -> TPEquality:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ..data import get_batch
+        from .tp_plan import qkv_rank_order
+
+        cfg = ModelConfig(**self.model)
+        if cfg.dropout:
+            raise ValueError(f"TPEqualityJob needs dropout 0 (the two models draw different masks), got {cfg.dropout}")
+        torch.manual_seed(0)
+        whole = GPT(cfg).to(device)
+        split = GPT(cfg).to(device)
+        split.load_state_dict(whole.state_dict())
+        parallelize_gpt(split, init_device_mesh(device.type, (world_size,)), self.sequence_parallel)
+        x, y = get_batch(self.batch_size, cfg.seq_len, device=device)
+        losses = [model(x, y)[1] for model in (split, whole)]
+        for loss in losses:
+            loss.backward()
+        order = qkv_rank_order(cfg.d_model, world_size, cfg.kv_heads * cfg.head_dim).to(device)
+        reference = dict(whole.named_parameters())
+        error = 0.0
+        for name, p in split.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            ref = reference[name].grad
+            ref = ref[order] if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias") else ref
+            error = max(error, ((grad - ref).abs().max() / ref.abs().max()).item())
+        return TPEquality(self.strategy, rank, losses[0].item(), losses[1].item(), error, len(reference))
+
+
+def format_llama_terms(cfg: ModelConfig, b: int, degrees: tuple[int, ...] = (2, 8)) -> str:
+    """:data:`LLAMA_TERMS` of ``cfg``'s block, micro-batch ``b``: each term on one rank at each TP degree (bytes,
+    16-bit, plain TP), and whether TP splits it ("1/t") or every rank keeps it whole."""
+    from ..tables import Col, format_table
+
+    if cfg.block != "llama":
+        raise ValueError(f"LLAMA_TERMS are the Llama block's terms; this model's block is {cfg.block!r}")
+    per_t = {t: block_tp_terms(cfg, b, t) for t in degrees}
+    cols = [Col("term", 26, align="<"), Col("module", 15, align="<"), Col("split", 5, align="<")]
+    cols += [Col(f"t={t}", 9, ",.0f") for t in degrees]
+    rows = [
+        [term, module, "1/t" if sharded else "whole"] + [per_t[t][term] for t in degrees]
+        for term, module, *_, sharded in LLAMA_TERMS
+    ]
+    rows.append(["total", "", ""] + [sum(per_t[t].values()) for t in degrees])
+    return format_table(cols, rows, note="(bytes, one block, one rank, the formula)")
+
+
+@dataclass
+class LabelledJob:
+    """A :class:`~anatomy_helpers.distributed.ranks.RankJob` whose results :func:`~anatomy_helpers.distributed.
+    world.run_world` files under ``label`` instead of its strategy, so that one world (one start of the processes)
+    can run one strategy on two models, e.g. "tp" on GPT-2's block and on Llama's."""
+
+    job: object  # RankJob
+    label: str
+
+    @property
+    def strategy(self) -> str:
+        return self.label
+
+    @property
+    def batch_size(self) -> int:
+        return self.job.batch_size
+
+    @property
+    def micro_batches(self) -> int:
+        return self.job.micro_batches
+
+    def run_rank(self, rank: int, world_size: int, device: torch.device):
+        from .ranks import run_job
+
+        return dataclasses.replace(run_job(self.job, rank, world_size, device), strategy=self.label)

@@ -30,6 +30,10 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 TP_CONFIG = ModelConfig(n_layer=2, d_model=128, n_head=8, seq_len=64, dropout=0.1, dtype="bfloat16")
 TP_BATCH = 4
 TP_DEGREES = ((1, False), (2, False), (8, False), (8, True))  # (t, sequence parallelism)
+# The Llama block: 16 query heads sharing 8 key/value heads, so that t = 8 leaves each rank 2 and the 1 they share.
+LLAMA_TP_CONFIG = ModelConfig(
+    n_layer=1, d_model=128, n_head=16, n_kv_head=8, seq_len=64, dropout=0.1, dtype="bfloat16", block="llama"
+)
 
 # Section 3: a wider model, so that a rank's compute is not negligible next to its communication (the dry runs'
 # cost grows with the number of ops, not with their sizes).
@@ -137,6 +141,39 @@ def format_tp_totals(rows: Sequence[dict]) -> str:
         for r in rows
     ]
     return format_table(cols, out, note="(bytes, one block, one rank)")
+
+
+def llama_tp_layers(
+    cfg: ModelConfig = LLAMA_TP_CONFIG, degrees: Sequence[int] = (2, 8), batch_size: int = TP_BATCH
+) -> dict[str, list[TPPart]]:
+    """Block 0 of the Llama block on a dry-run rank 0 of each t-way TP group, part by part against
+    :data:`~anatomy_helpers.distributed.tensor_parallel.LLAMA_TERMS`: ``{"t=2": [TPPart, ...], ...}``. (At t = 2
+    the dry run equals two real gloo ranks byte for byte: tests/test_tensor_parallel.py runs both.)"""
+    return {f"t={t}": compare_tp_layer(tp_dry_run(cfg, t, batch_size=batch_size), cfg, batch_size) for t in degrees}
+
+
+def format_tp_columns(layers: dict[str, list[TPPart]]) -> str:
+    """Several runs of one block side by side (:func:`llama_tp_layers`): per run each part's measured bytes, the
+    formula's and the known gap (measured = formula + gap when the rules hold), and the gap's reason."""
+    keys = list(layers)
+    parts = {key: {p.module: p for p in layers[key]} for key in keys}
+    cols = [Col("part", 15, align="<")]
+    for key in keys:
+        cols += [Col(f"{key}", 9, ",d"), Col("formula", 9, ",.0f"), Col("gap", 8, "+,d")]
+    cols.append(Col("why", 11, align="<", gap="  "))
+    rows = []
+    for module in parts[keys[0]]:
+        row: list = [module]
+        for key in keys:
+            p = parts[key][module]
+            row += [p.measured, p.formula, p.known_gap]
+        rows.append(row + [parts[keys[0]][module].why or "-"])
+    total = [
+        [sum(p.measured for p in layers[k]), sum(p.formula for p in layers[k]), sum(p.known_gap for p in layers[k])]
+        for k in keys
+    ]
+    rows.append(["total", *[v for three in total for v in three], ""])
+    return format_table(cols, rows, note="(bytes, one block, rank 0)")
 
 
 # ---- section 3: the synchronization model ------------------------------------------------------------------------
