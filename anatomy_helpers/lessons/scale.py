@@ -35,7 +35,14 @@ TP_DEGREES = ((1, False), (2, False), (8, False), (8, True))  # (t, sequence par
 # cost grows with the number of ops, not with their sizes).
 SYNC_CONFIG = dict(n_layer=2, d_model=1024, n_head=8, seq_len=256)
 SYNC_ROWS = 32  # rows per rank (weak scaling: the same at every N)
-SYNC_WORLD_SIZES = {"ddp": (8, 64, 512, 4096), "zero1": (8, 64, 512, 4096), "fsdp2_zero3": (8, 32, 128)}
+SYNC_WORLD_SIZES = {
+    "ddp": (8, 64, 512, 4096),
+    "zero1": (8, 64, 512, 4096),
+    "fsdp2_zero3": (8, 32, 128),
+    "tp_fsdp": (8, 64, 512, 4096),  # FSDP2 over N / 8 ranks: its dry runs stay short up to 4,096
+}
+SYNC_TP = 8  # "tp_fsdp": TP over the 8 GPUs of a node (8 heads: one per rank), FSDP2 across the nodes
+TP_LINK = LINKS["nvlink4"]
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16 (NVIDIA's data sheet, docs/references.md), FLOP/s
 UTILISATION = 0.4
 LINK = LINKS["ib_ndr"]
@@ -151,9 +158,12 @@ def sync_curves(
     peak_flops: float = PEAK_FLOPS,
     utilisation: float = UTILISATION,
     link: Link = LINK,
+    tp: int = SYNC_TP,
+    tp_link: Link = TP_LINK,
 ) -> dict[str, list[StepTime]]:
     """The modelled step of each strategy at each of its world sizes (:func:`~anatomy_helpers.distributed.
-    sync_model.scaling_curve`): ``{strategy: [StepTime, ...]}``. A model, not a measurement."""
+    sync_model.scaling_curve`): ``{strategy: [StepTime, ...]}``; "tp_fsdp" with ``tp``-way TP over ``tp_link``.
+    A model, not a measurement."""
     return {
         strategy: scaling_curve(
             model,
@@ -164,6 +174,7 @@ def sync_curves(
             utilisation=utilisation,
             link=link,
             jitter=jitter,
+            **(dict(tp=tp, tp_link=tp_link) if strategy == "tp_fsdp" else {}),
         )
         for strategy, ns in world_sizes.items()
     }
@@ -181,11 +192,13 @@ def with_stragglers(curves: dict[str, list[StepTime]], jitter: Sequence[float]) 
     return out
 
 
-def format_assumptions(peak_flops: float = PEAK_FLOPS, utilisation: float = UTILISATION, link: Link = LINK) -> str:
+def format_assumptions(
+    peak_flops: float = PEAK_FLOPS, utilisation: float = UTILISATION, link: Link = LINK, tp_link: Link = TP_LINK
+) -> str:
     """The model's inputs and assumptions, in one place, to print beside its output."""
-    lines = [
-        f"device: {peak_flops / 1e12:,.0f} TFLOP/s peak at {utilisation:.0%} utilisation",
-        f"link: {link.name}: {link.bandwidth / 1e9:,.1f} GB/s per direction, {link.latency * 1e6:.0f} us per message",
+    lines = [f"device: {peak_flops / 1e12:,.0f} TFLOP/s peak at {utilisation:.0%} utilisation"] + [
+        f"{what}: {k.name}: {k.bandwidth / 1e9:,.1f} GB/s per direction, {k.latency * 1e6:.0f} us per message"
+        for what, k in (("link", link), ("TP's link, inside a node", tp_link))
     ]
     return "\n".join(lines + [f"- {a}" for a in ASSUMPTIONS])
 
