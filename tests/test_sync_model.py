@@ -209,9 +209,41 @@ def group_size(func, args) -> int | None:
     return None
 
 
-def test_each_collective_of_a_2d_rank_is_priced_on_the_group_it_ran_on(monkeypatch):
-    """A dry-run rank of 32 = 8 nodes x t = 4: the group each collective really ran on (its process group's size,
-    read from its arguments) is the group the model prices it on, collective by collective."""
+MESH_ROWS, MESH_TP = 2, 4
+
+
+@pytest.fixture(scope="module")
+def mesh_curve():
+    """The TP x FSDP curve of MESH_MODEL at N = 4 (one node) and 32 (8 nodes) of t = 4, on the test links."""
+    from anatomy_helpers.distributed.sync_model import scaling_curve
+
+    return scaling_curve(MESH_MODEL, "tp_fsdp", (4, 32), rows_per_rank=MESH_ROWS, peak_flops=1e12, utilisation=1.0,
+                         link=IB, tp=MESH_TP, tp_link=NVLINK)  # fmt: skip
+
+
+def test_the_tp_fsdp_curve_prices_tps_all_reduces_of_a_nodes_rows(mesh_curve):
+    """Weak scaling: a node of t ranks trains t x rows_per_rank rows; each of TP's 4 all-reduces per block carries
+    their residual stream (rows x s x h x 4 bytes), on t ranks over the TP link, the same at every N."""
+    from anatomy_helpers.distributed.sync_model import tp_rank_flops
+
+    t = MESH_TP
+    stream = MESH_ROWS * t * MESH_MODEL["seq_len"] * MESH_MODEL["d_model"] * 4
+    per_step = 4 * MESH_MODEL["n_layer"] * ring_by_hand(2 * (t - 1), t, stream, NVLINK)
+    for s in mesh_curve:
+        tp_parts = [p for p in s.priced if p.tensor_parallel]
+        assert [(p.op, p.bytes, p.ranks) for p in tp_parts] == [("all-reduce", stream, t)] * 4
+        assert s.tensor_parallel == pytest.approx(per_step, rel=1e-12)
+        flops = tp_rank_flops(MESH_MODEL, MESH_ROWS * t, t)
+        assert s.forward + s.backward == pytest.approx(flops / 1e12, rel=1e-12)
+    one_node, eight = ([p for p in s.priced if not p.tensor_parallel] for s in mesh_curve)
+    assert not one_node  # N = t: FSDP2 has no other node to talk to
+    assert eight and {p.ranks for p in eight} == {32 // t} and {p.link for p in eight} == {IB.name}
+
+
+def test_each_collective_of_a_2d_rank_is_priced_on_the_group_it_ran_on(monkeypatch, mesh_curve):
+    """A dry-run rank of 32 = 8 nodes x t = 4, warmed up as a real rank is: the group each collective really ran on
+    (its process group's size, read from its arguments) is the group the model prices it on, collective by
+    collective; and the curve (whose dry runs skip the warm-up) priced exactly these collectives."""
     from anatomy_helpers.distributed import ranks
     from anatomy_helpers.distributed.fake_world import dry_run_rank
     from anatomy_helpers.distributed.ranks import RankJob
@@ -226,29 +258,12 @@ def test_each_collective_of_a_2d_rank_is_priced_on_the_group_it_ran_on(monkeypat
         return original(self, func, args, out, mark)
 
     monkeypatch.setattr(ranks.RankTracker, "_on_collective", noting)
-    n, t = 32, 4
-    result = dry_run_rank(RankJob("tp_fsdp", steps=1, batch_size=n // t, model=MESH_MODEL, tp=t), n).result
+    n, t = 32, MESH_TP
+    job = RankJob("tp_fsdp", steps=1, batch_size=MESH_ROWS * n, model=MESH_MODEL, tp=t)
+    assert job.warmup > 0
+    result = dry_run_rank(job, n).result
     ran_on = groups[id(result.collectives)]
-    priced = price_step(result.collectives, n, forward=1.0, backward=1.0, tp=t).priced
-    assert [p.ranks for p in priced] == ran_on and set(ran_on) == {t, n // t}
-    assert sum(p.tensor_parallel for p in priced) == 4 * MESH_MODEL["n_layer"]  # 2 all-reduces a block, each way
-
-
-def test_the_tp_fsdp_curve_prices_tps_all_reduces_of_a_nodes_rows():
-    """Weak scaling: a node of t ranks trains t x rows_per_rank rows; each of TP's 4 all-reduces per block carries
-    their residual stream (rows x s x h x 4 bytes), on t ranks over the TP link, the same at every N."""
-    from anatomy_helpers.distributed.sync_model import scaling_curve, tp_rank_flops
-
-    rows, t = 2, 4
-    curve = scaling_curve(MESH_MODEL, "tp_fsdp", (4, 32), rows_per_rank=rows, peak_flops=1e12, utilisation=1.0,
-                          link=IB, tp=t, tp_link=NVLINK)  # fmt: skip
-    stream = rows * t * MESH_MODEL["seq_len"] * MESH_MODEL["d_model"] * 4
-    per_step = 4 * MESH_MODEL["n_layer"] * ring_by_hand(2 * (t - 1), t, stream, NVLINK)
-    for s in curve:
-        tp_parts = [p for p in s.priced if p.tensor_parallel]
-        assert [(p.op, p.bytes, p.ranks) for p in tp_parts] == [("all-reduce", stream, t)] * 4
-        assert s.tensor_parallel == pytest.approx(per_step, rel=1e-12)
-        assert s.forward + s.backward == pytest.approx(tp_rank_flops(MESH_MODEL, rows * t, t) / 1e12, rel=1e-12)
-    one_node, eight = ([p for p in s.priced if not p.tensor_parallel] for s in curve)
-    assert not one_node  # N = t: FSDP2 has no other node to talk to
-    assert eight and {p.ranks for p in eight} == {32 // t} and {p.link for p in eight} == {IB.name}
+    s = mesh_curve[1]
+    priced = price_step(result.collectives, n, forward=s.forward, backward=s.backward, link=IB, tp=t, tp_link=NVLINK)
+    assert [p.ranks for p in priced.priced] == ran_on and set(ran_on) == {t, n // t}
+    assert priced.priced == s.priced  # the curve's dry run (no warm-up) issued the same collectives

@@ -432,7 +432,8 @@ def scaling_curve(
     buckets = ddp_bucket_bytes(model, rows_per_rank) if strategy in ("ddp", "ddp_bucket_view", "zero1") else None
     out = []
     for n in world_sizes:
-        job = RankJob(strategy, steps=1, batch_size=rows_per_rank * n, model=dict(model), tp=tp)
+        # no warm-up: a fake rank issues the same collectives in its first step as after any warm-up (tested)
+        job = RankJob(strategy, steps=1, warmup=0, batch_size=rows_per_rank * n, model=dict(model), tp=tp)
         trace = dry_run_rank(job, n, 0).result
         collectives = trace.collectives if buckets is None else with_buckets(trace.collectives, buckets)
         out.append(

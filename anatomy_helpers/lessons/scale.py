@@ -225,6 +225,36 @@ def format_step_times(curves: dict[str, list[StepTime]]) -> str:
     return format_table(cols, out, note="(modelled, milliseconds per step)")
 
 
+def format_priced(steps: dict[str, StepTime]) -> str:
+    """The collectives each modelled step priced (:attr:`~anatomy_helpers.distributed.sync_model.StepTime.priced`),
+    by group and op: how many, on a ring of how many ranks, their bytes (whole buffers, MiB), their time and the
+    part of it that is per-message latency (ms)."""
+    from ..units import MiB
+
+    cols = [
+        Col("strategy", 12, align="<"),
+        Col("N", 5, "d"),
+        Col("group", 14, align="<"),
+        Col("op", 14, align="<"),
+        Col("count", 5, "d"),
+        Col("ranks", 5, "d"),
+        Col("MiB", 9, ",.1f"),
+        Col("ms", 8, ",.3f"),
+        Col("latency ms", 10, ",.3f"),
+    ]
+    out = []
+    for name, step in steps.items():
+        kinds: dict[tuple, list] = {}
+        for p in step.priced:
+            group = "TP (one node)" if p.tensor_parallel else "data-parallel"
+            kinds.setdefault((group, p.op, p.ranks), []).append(p)
+        for (group, op, ranks), ps in kinds.items():
+            seconds, latency = sum(p.seconds for p in ps), sum(p.latency for p in ps)
+            out.append([name, step.n, group, op, len(ps), ranks, sum(p.bytes for p in ps) / MiB, seconds * 1e3,
+                        latency * 1e3])  # fmt: skip
+    return format_table(cols, out, note="(modelled, per step; MiB: whole buffers)")
+
+
 # ---- section 3, real ranks: the model against a measured 2-rank step ---------------------------------------------
 
 # Lesson 08's model, DDP's buckets capped at 0.25 MiB so that it has several (its default 25 MiB would hold the
