@@ -87,17 +87,20 @@ def test_scaling_curve_prices_each_worlds_dry_run_collectives():
 def test_the_scaling_plot_has_one_line_per_strategy_and_units():
     import matplotlib.pyplot as plt
 
-    from anatomy_helpers.plots import plot_scaling
+    from anatomy_helpers.plots import OKABE_ITO, STRATEGY_COLORS, plot_scaling
 
     colls = [_coll("backward", "allreduce_", 4_000_000)]
     curves = {
         s: [step_time(colls if s == "ddp" else colls * 3, n, flops=3e9, peak_flops=1e12, link=LINK) for n in (8, 64)]
-        for s in ("ddp", "fsdp")
+        for s in ("ddp", "fsdp", "tp_fsdp")
     }
     fig = plot_scaling(curves)
     left, right = fig.axes
-    assert "ms" in left.get_ylabel() and "ranks" in left.get_xlabel() and len(left.lines) == 4
-    assert [line.get_label() for line in right.lines] == ["ddp", "fsdp"]
+    assert "ms" in left.get_ylabel() and "ranks" in left.get_xlabel() and len(left.lines) == 6
+    assert [line.get_label() for line in right.lines] == ["ddp", "fsdp", "tp_fsdp"]
+    colours = [line.get_color() for line in right.lines]  # the course's palette, each strategy its own colour
+    assert colours[0] == STRATEGY_COLORS["ddp"] and colours[2] == STRATEGY_COLORS["tp_fsdp"]
+    assert set(colours) <= set(OKABE_ITO) and len(set(colours)) == 3
     assert list(right.lines[0].get_ydata()) == [r.efficiency for r in curves["ddp"]]
     assert fig._repr_png_()[:4] == b"\x89PNG" and not plt.get_fignums()
 
