@@ -30,6 +30,9 @@ CATEGORY_COLORS = {
     "communication": "#332288",  # indigo: buffers that exist only for collectives (buckets, all-gathers)
 }
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
+#: The Okabe-Ito palette (black left out: the text's colour); strategies keep one colour in every plot of them.
+OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
+STRATEGY_COLORS = {"ddp": "#0072B2", "zero1": "#009E73", "fsdp2_zero3": "#E69F00", "tp_fsdp": "#CC79A7"}
 PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#dcdcdc", "optimizer": "#c4c4c4"}
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 STEP_LINE = "#333"  # the dashed line where a training step starts
@@ -421,8 +424,9 @@ def plot_scaling(curves: dict, title: str | None = None):
     share of the step spent computing. Log-scaled N. Returns the Figure."""
     fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 3.4), layout="constrained")
     left, right = fig.subplots(1, 2)
+    spare = [c for c in OKABE_ITO if c not in STRATEGY_COLORS.values()]
     for i, (name, rows) in enumerate(curves.items()):
-        colour = f"C{i}"
+        colour = STRATEGY_COLORS.get(name, spare[i % len(spare)])
         ns = [r.n for r in rows]
         left.plot(ns, [r.step * 1e3 for r in rows], marker="o", color=colour, label=f"{name}: step")
         left.plot(ns, [(r.forward + r.backward) * 1e3 for r in rows], ":", color=colour, label=f"{name}: compute")

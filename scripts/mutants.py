@@ -432,6 +432,41 @@ MUTANTS = [
         "        start = done",
         ("tests/test_sync_model.py::test_backward_all_reduces_hide_behind_backward_but_the_last",),
     ),
+    Mutant(
+        "sync_model.tp-priced-on-the-inter-node-link",
+        "distributed/sync_model.py",
+        "    ranks, on = (tp, tp_link) if tensor else (n // tp, link)",
+        "    ranks, on = (tp, link) if tensor else (n // tp, link)",
+        ("tests/test_sync_model.py::test_tp_collectives_are_priced_on_the_node_over_nvlink_and_all_exposed",),
+    ),
+    Mutant(
+        "sync_model.fsdp-of-2d-priced-on-all-ranks",
+        "distributed/sync_model.py",
+        "    ranks, on = (tp, tp_link) if tensor else (n // tp, link)",
+        "    ranks, on = (tp, tp_link) if tensor else (n, link)",
+        ("tests/test_sync_model.py::test_each_collective_of_a_2d_rank_is_priced_on_the_group_it_ran_on",),
+    ),
+    Mutant(
+        "sync_model.reduce-scatter-priced-on-its-shard",
+        "distributed/sync_model.py",
+        '    whole = c.bytes * ranks if name == "reduce-scatter" else c.bytes',
+        "    whole = c.bytes",
+        ("tests/test_sync_model.py::test_tp_collectives_are_priced_on_the_node_over_nvlink_and_all_exposed",),
+    ),
+    Mutant(
+        "sync_model.tp-overlapped-like-fsdp",
+        "distributed/sync_model.py",
+        "    exposed = tensor_parallel  # on the critical path",
+        "    exposed = 0.0  # on the critical path",
+        ("tests/test_sync_model.py::test_tp_collectives_are_priced_on_the_node_over_nvlink_and_all_exposed",),
+    ),
+    Mutant(
+        "world.2d-batch-split-over-every-rank",
+        "distributed/world.py",
+        '        return check_mesh(world_size, job.tp), "the N / tp nodes"',
+        '        return world_size, "the N / tp nodes"',
+        ("tests/test_mesh2d.py::test_the_batch_rule_splits_rows_among_data_parallel_ranks_only",),
+    ),
     # ---- the 2-D mesh (mesh2d.py, fake_world.mesh_states_rule) and the per-block scaling (fit.py)
     Mutant(
         "mesh2d.dp-rank-from-the-tp-coordinate",

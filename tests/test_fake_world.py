@@ -36,7 +36,8 @@ def job(strategy: str, world_size: int, rows_per_rank: int = 1) -> RankJob:
     return RankJob(strategy, steps=1, batch_size=rows_per_rank * world_size, model=dict(SMALL))
 
 
-MESH_JOB = RankJob("tp_fsdp", steps=1, batch_size=WORLD, model=dict(SMALL), tp=2)  # 2-D: 2 nodes of 2 ranks
+# 2-D: 2 nodes of 2 ranks, one row per node (a batch of 2 on 4 ranks: the rows are split among the nodes only)
+MESH_JOB = RankJob("tp_fsdp", steps=1, batch_size=WORLD // 2, model=dict(SMALL), tp=2)
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +220,27 @@ def test_a_fake_2d_rank_equals_its_real_gloo_rank_byte_for_byte(world4, rank):
     real = world4["tp_fsdp"][rank]
     assert real.backend == "gloo" and real.world_size == WORLD
     assert rank_differences(real, dry_run_rank(MESH_JOB, WORLD, rank).result) == {}
+
+
+def test_the_time_model_prices_what_a_real_2d_rank_issued(world4):
+    """The TP x FSDP time model's input, from real gloo ranks (2 nodes x 2): each block's 4 all-reduces (2 in forward,
+    2 in backward) of a node's rows' residual stream, priced on the node's 2 ranks; every other collective FSDP2's
+    all-gathers and reduce-scatters, priced on the 2 nodes; nothing else."""
+    from anatomy_helpers.distributed.sync_model import price_step
+
+    tp = MESH_JOB.tp
+    rows = MESH_JOB.batch_size // (WORLD // tp)  # a node's rows
+    stream = rows * SMALL["seq_len"] * SMALL["d_model"] * 4  # float32
+    blocks = SMALL["n_layer"]
+    for real in world4["tp_fsdp"]:
+        priced = price_step(real.collectives, WORLD, forward=1.0, backward=1.0, tp=tp).priced
+        assert len(priced) == len(real.collectives)
+        assert [(p.phase, p.op, p.bytes, p.ranks) for p in priced if p.tensor_parallel] == [
+            ("forward", "all-reduce", stream, tp)
+        ] * (2 * blocks) + [("backward", "all-reduce", stream, tp)] * (2 * blocks)
+        fsdp = [p for p in priced if not p.tensor_parallel]
+        assert {(p.op, p.ranks) for p in fsdp} == {("all-gather", WORLD // tp), ("reduce-scatter", WORLD // tp)}
+        # what FSDP2 reduces is what it gathered: every node's padded shard of every parameter, once each way
+        gathered = {p.bytes for p in fsdp if p.op == "all-gather" and p.phase == "forward"}
+        assert sum(p.bytes for p in fsdp if p.op == "reduce-scatter") == (WORLD // tp) * real.torch_param_bytes
+        assert gathered

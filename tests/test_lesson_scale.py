@@ -11,6 +11,7 @@ from anatomy_helpers.distributed.tensor_parallel import korthikanti_tp_terms, la
 from anatomy_helpers.lessons.scale import (
     CATEGORIES,
     format_assumptions,
+    format_priced,
     format_shrink,
     format_step_times,
     format_tp_totals,
@@ -96,3 +97,27 @@ def test_format_assumptions_prints_every_assumption_and_the_inputs():
     text = format_assumptions(peak_flops=100e12, utilisation=0.5, link=LINKS["ethernet100"])
     assert all(a in text for a in ASSUMPTIONS)
     assert "100 TFLOP/s peak at 50% utilisation" in text and "12.5 GB/s" in text and "10 us" in text
+
+
+def test_format_priced_groups_each_steps_collectives_by_group_and_op():
+    from anatomy_helpers.distributed.ranks import Collective
+    from anatomy_helpers.distributed.sync_model import price_step
+    from anatomy_helpers.units import MiB
+
+    def coll(phase, op, nbytes):
+        return Collective(0, 0.0, 1, phase, op, nbytes)
+
+    colls = [coll("forward", "all_reduce", MiB)] * 2 + [coll("backward", "_reduce_scatter_base_", MiB // 8)] * 3
+    step = price_step(colls, 64, forward=1.0, backward=1.0, tp=8)
+    table = format_priced({"mesh": step})
+    rows = [" ".join(line.split()) for line in table.splitlines()[2:]]
+    tp, rs = step.priced[:2], step.priced[2:]  # the table sums each group: priced collective by collective
+
+    def ms(ps, what):
+        return f"{sum(getattr(p, what) for p in ps) * 1e3:,.3f}"
+
+    # the two TP all-reduces: 2 MiB on 8 ranks; the 3 reduce-scatters: 8 x their 1/8 MiB shards each, on 8 nodes
+    assert rows == [
+        f"mesh 64 TP (one node) all-reduce 2 8 2.0 {ms(tp, 'seconds')} {ms(tp, 'latency')}",
+        f"mesh 64 data-parallel reduce-scatter 3 8 3.0 {ms(rs, 'seconds')} {ms(rs, 'latency')}",
+    ]

@@ -146,6 +146,28 @@ def test_bad_input_is_refused_before_anything_starts(call, message):
     assert torch.empty(1).device.type == "cpu"  # no fake mode left behind
 
 
+def test_the_batch_rule_splits_rows_among_data_parallel_ranks_only():
+    """run_world's check (world.check_jobs) splits the global batch as ranks.run_job does: among the N / tp nodes of
+    a 2-D mesh (a node's TP ranks train the same rows), among no one under TP alone, among all N under DDP/FSDP."""
+    from anatomy_helpers.distributed.world import check_jobs, data_parallel_ranks
+
+    mesh = RankJob("tp_fsdp", batch_size=2, model=dict(MODEL), tp=2)
+    assert data_parallel_ranks(mesh, 4) == (2, "the N / tp nodes") and check_jobs(mesh, 4) == [mesh]
+    assert data_parallel_ranks(mesh, 64)[0] == 32
+    tp = RankJob("tp", batch_size=1, model=dict(MODEL))
+    assert data_parallel_ranks(tp, 2)[0] == 1 and check_jobs(tp, 2) == [tp]
+    assert data_parallel_ranks(RankJob("fsdp2_zero3", batch_size=8), 4)[0] == 4
+    for job, world, message in [
+        (RankJob("tp_fsdp", batch_size=3, model=dict(MODEL), tp=2), 4, "multiple of the N / tp nodes x micro_batches "
+         "\\(2 x 1\\)"),
+        (RankJob("tp_fsdp", batch_size=4, model=dict(MODEL), tp=2, micro_batches=4), 4, "\\(2 x 4\\)"),
+        (RankJob("tp_fsdp", batch_size=4, model=dict(MODEL), tp=3), 4, "\\(3\\) must divide the world size \\(4\\)"),
+        (RankJob("ddp", batch_size=2, model=dict(MODEL)), 4, "multiple of world_size x micro_batches \\(4 x 1\\)"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            check_jobs(job, world)
+
+
 # ---- the stored 7B / 70B table (scripts/record_fit.py) ------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ from ..interrupts import DeferredInterrupt
 from ..model import GPT, ModelConfig
 from ..prediction.dryrun import build_fake_model, course_batch
 from .ranks import MESH_STRATEGIES, RankJob, RankResult, run_job
+from .world import check_rows
 
 #: What a fake rank cannot do as a real one does, and the rule used instead (each one leaves the bytes unchanged;
 #: tests/test_fake_world.py checks the tables against real gloo ranks byte for byte).
@@ -78,18 +79,11 @@ def _check(job: RankJob, world_size: int, rank: int, *, fake: bool = True) -> No
         raise ValueError(f"world_size must be an integer from 1 to {MAX_WORLD_SIZE:,}, got {world_size!r}")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size) = [0, {world_size}), got {rank!r}")
-    ways, what = world_size, "world_size"
-    if job.strategy in MESH_STRATEGIES:  # a 2-D mesh: the N / tp nodes split the batch, a node's ranks share it
-        from .mesh2d import check_mesh
+    check_rows(job, world_size)  # a 2-D mesh: the N / tp nodes split the batch, a node's ranks share it
+    if job.strategy in MESH_STRATEGIES:
         from .tp_plan import check_tp
 
-        ways, what = check_mesh(world_size, job.tp), "the N / tp nodes"
         check_tp(ModelConfig(**job.model), job.tp)
-    if job.batch_size % (ways * job.micro_batches):
-        raise ValueError(
-            f"{job.strategy}: the global batch ({job.batch_size}) must be a multiple of {what} x micro_batches "
-            f"({ways} x {job.micro_batches}), so every rank trains as many rows"
-        )
     if not fake:
         return
     if job.fault is not None or job.straggler_s:

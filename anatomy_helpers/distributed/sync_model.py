@@ -11,6 +11,10 @@ Everything here is a *model*, with its assumptions in one place (:data:`ASSUMPTI
   all-gather (``S`` the whole gathered buffer) half of that;
 * overlap: DDP all-reduces its buckets while backward runs, FSDP all-gathers the next block's parameters while the
   current one computes; only what sticks out of the compute it hides behind is *exposed*;
+* tensor parallelism x FSDP (the 2-D mesh of :mod:`~anatomy_helpers.distributed.mesh2d`): each collective priced on
+  its own group: TP's (DTensor's functional collectives) on the ``t`` ranks of a node over NVLink, every one of
+  them exposed (a block's next GEMM needs its result); FSDP2's on the ``N / t`` data-parallel ranks over the
+  inter-node link, overlapped as above;
 * stragglers: every rank waits for the slowest, so a step takes the *expected maximum* of N per-rank compute times,
   drawn from a distribution of step times measured here (:func:`expected_max`).
 
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ranks import Collective
+from .ranks import FUNCTIONAL_COLLECTIVES, Collective
 
 ASSUMPTIONS = (
     "Ring collectives on one link per rank (the slowest on the ring: inter-node once N exceeds a node); no tree "
@@ -38,6 +42,12 @@ ASSUMPTIONS = (
     "FSDP's forward all-gathers hide behind forward, except the first (nothing to hide behind yet).",
     "Stragglers: the ranks' compute times are independent draws from the measured distribution of step times "
     "(relative to its median); the step ends when the slowest rank is done.",
+    "TP x FSDP: the t ranks of a TP group sit in one node; DTensor's collectives (TP's all-reduces, 2 per block in "
+    "forward and 2 in backward) run on those t ranks over NVLink and sit on the critical path (the next GEMM waits "
+    "for each; none is overlapped); FSDP2's all-gathers and reduce-scatters run on the N/t data-parallel ranks over "
+    "the inter-node link, overlapped with compute as above. The two links never contend. A node trains t x the "
+    "rows of a data-parallel rank (the same global batch at every N); each TP rank computes 1/t of every block's "
+    "GEMMs and attention heads and the embedding and head whole (the plan splits only the blocks).",
 )
 
 
@@ -76,12 +86,34 @@ def ring_seconds(op: str, nbytes: float, n: int, link: Link) -> float:
     return steps[op] * (link.latency + nbytes / n / link.bandwidth)
 
 
+#: c10d's ops (DDP, ZeRO-1, FSDP2: "allreduce_", "_allgather_base_", ...) and DTensor's functional ones (tensor
+#: parallelism: "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor") by the part of their name that
+#: says what they do.
+COLLECTIVE_NAMES = (
+    ("allgather", "all-gather"),
+    ("all_gather", "all-gather"),
+    ("reduce_scatter", "reduce-scatter"),
+    ("allreduce", "all-reduce"),
+    ("all_reduce", "all-reduce"),
+    ("all_to_all", "all-to-all"),
+    ("broadcast", "broadcast"),
+)
+
+
 def collective_name(op: str) -> str:
-    """A c10d op by its usual name: "allreduce_" -> "all-reduce", "_reduce_scatter_base_" -> "reduce-scatter"."""
-    for key, name in (("allgather", "all-gather"), ("reduce_scatter", "reduce-scatter"), ("allreduce", "all-reduce")):
+    """A collective op by its usual name: "allreduce_" and "all_reduce" -> "all-reduce", "_reduce_scatter_base_"
+    and "reduce_scatter_tensor" -> "reduce-scatter", "all_gather_into_tensor" -> "all-gather"."""
+    for key, name in COLLECTIVE_NAMES:
         if key in op:
             return name
     return op.strip("_").replace("_", "-")
+
+
+def is_tensor_parallel(op: str) -> bool:
+    """Whether ``op`` is one of DTensor's functional collectives (the TP group's); c10d's are data parallelism's
+    (DDP, ZeRO-1, FSDP2, which call the process group directly). tests/test_sync_model.py checks the rule against
+    the process group each collective of a 2-D rank really ran on."""
+    return op in FUNCTIONAL_COLLECTIVES
 
 
 @dataclass(frozen=True)
@@ -96,11 +128,47 @@ class StepTime:
     exposed: float  # the part of it no compute hides
     step: float  # forward + backward + straggler + exposed + optimizer
     optimizer: float = 0.0  # the optimizer step, when measured (FlopCounterMode does not count it)
+    tensor_parallel: float = 0.0  # TP's collectives on the node's t ranks, all exposed (included in the two above)
+    priced: tuple[Priced, ...] = ()  # each collective of the step as priced
 
     @property
     def efficiency(self) -> float:
         """Compute time over step time: the share of the step the devices spend computing."""
         return (self.forward + self.backward) / self.step
+
+    @property
+    def latency(self) -> float:
+        """Seconds of :attr:`communication` spent on per-message latency (the rest moves bytes)."""
+        return sum(p.latency for p in self.priced)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One collective as the model prices it: ``op`` (:func:`collective_name`) of ``bytes`` (the whole buffer: a
+    reduce-scatter's input, an all-gather's output) on a ring of ``ranks`` ranks over ``link`` takes ``seconds``, of
+    which ``latency`` are per-message latency."""
+
+    phase: str
+    op: str
+    bytes: int
+    ranks: int
+    link: str
+    seconds: float
+    latency: float
+    tensor_parallel: bool  # TP's (on a node's t ranks, exposed), else data parallelism's
+
+
+def price_collective(c: Collective, n: int, link: Link, tp: int = 1, tp_link: Link = LINKS["nvlink4"]) -> Priced:
+    """``c`` priced on the group it runs on: TP's (:func:`is_tensor_parallel`) on the ``tp`` ranks of a node over
+    ``tp_link``; the others on the ``n / tp`` data-parallel ranks (all ``n`` without TP) over ``link``."""
+    tensor = is_tensor_parallel(c.op)
+    ranks, on = (tp, tp_link) if tensor else (n // tp, link)
+    name = collective_name(c.op)
+    # a trace notes a collective's output: a reduce-scatter's is one rank's shard of the buffer the ring reduces
+    whole = c.bytes * ranks if name == "reduce-scatter" else c.bytes
+    seconds = ring_seconds(name, whole, ranks, on)
+    latency = ring_seconds(name, whole, ranks, dataclasses.replace(on, bandwidth=float("inf")))
+    return Priced(c.phase, name, whole, ranks, on.name, seconds, latency, tensor)
 
 
 def expected_max(samples: Sequence[float], n: int) -> float:
@@ -123,16 +191,21 @@ def step_time(
     utilisation: float = 0.4,
     link: Link = LINKS["ib_ndr"],
     jitter: Sequence[float] = (1.0,),
+    tp: int = 1,
+    tp_link: Link = LINKS["nvlink4"],
 ) -> StepTime:
     """Model one step of a rank whose trace issued ``collectives`` (one tracked step), on ``n`` ranks.
 
     ``flops``: one rank's forward + backward (backward is two thirds of it, as for matrix multiplications);
-    ``peak_flops`` per second at ``utilisation``; ``jitter``: measured step times relative to their median.
+    ``peak_flops`` per second at ``utilisation``; ``jitter``: measured step times relative to their median;
+    ``tp``, ``tp_link``: the TP degree of a 2-D mesh and its groups' link (:func:`price_step`).
     """
     if not 0 < utilisation <= 1:
         raise ValueError(f"utilisation must be in (0, 1], got {utilisation!r}")
     compute = flops / (peak_flops * utilisation)
-    return price_step(collectives, n, forward=compute / 3, backward=2 * compute / 3, link=link, jitter=jitter)
+    return price_step(
+        collectives, n, forward=compute / 3, backward=2 * compute / 3, link=link, jitter=jitter, tp=tp, tp_link=tp_link
+    )
 
 
 def price_step(
@@ -144,25 +217,38 @@ def price_step(
     optimizer: float = 0.0,
     link: Link = LINKS["ib_ndr"],
     jitter: Sequence[float] = (1.0,),
+    tp: int = 1,
+    tp_link: Link = LINKS["nvlink4"],
 ) -> StepTime:
     """:func:`step_time` from compute times given in seconds (measured ones, say) instead of FLOPs: the
     collectives priced on ``link``, overlapped with ``forward`` and ``backward`` as :data:`ASSUMPTIONS` says, plus
-    the straggler tail of ``jitter`` and an ``optimizer`` step that overlaps nothing."""
+    the straggler tail of ``jitter`` and an ``optimizer`` step that overlaps nothing.
+
+    ``tp`` > 1: a 2-D mesh of ``n / tp`` nodes of ``tp`` ranks. TP's collectives (:func:`is_tensor_parallel`) are
+    priced on ``tp`` ranks over ``tp_link`` and all exposed; the others on the ``n / tp`` data-parallel ranks over
+    ``link``, overlapped as with one dimension."""
+    from .mesh2d import check_mesh
+
+    check_mesh(n, tp)
+    if tp == 1 and any(is_tensor_parallel(c.op) for c in collectives):
+        raise ValueError("the trace has tensor-parallel collectives (DTensor's): pass tp, the TP group's size")
     straggler = (forward + backward) * (expected_max(jitter, n) - float(np.median(jitter)))
-    timed = [
-        (c.phase, c.bytes, ring_seconds(collective_name(c.op), c.bytes, n, link))
+    priced = tuple(
+        price_collective(c, n, link, tp, tp_link)
         for c in collectives
         if c.phase in ("forward", "backward", "optimizer")
-    ]
-    total = sum(s for _, _, s in timed)
-    exposed = 0.0
+    )
+    tensor_parallel = sum(p.seconds for p in priced if p.tensor_parallel)
+    timed = [(p.phase, p.bytes, p.seconds) for p in priced if not p.tensor_parallel]
+    total = sum(p.seconds for p in priced)
+    exposed = tensor_parallel  # on the critical path: the next GEMM needs each all-reduce's result
     in_forward = [s for p, _, s in timed if p == "forward"]
     if in_forward:  # the first all-gather has nothing to hide behind
         exposed += in_forward[0] + max(0.0, sum(in_forward[1:]) - forward)
     exposed += backward_overhang([(b, s) for p, b, s in timed if p == "backward"], backward)
     exposed += sum(s for p, _, s in timed if p == "optimizer")  # ZeRO-1's broadcasts follow the step
     step = forward + backward + straggler + exposed + optimizer
-    return StepTime(n, forward, backward, straggler, total, exposed, step, optimizer)
+    return StepTime(n, forward, backward, straggler, total, exposed, step, optimizer, tensor_parallel, priced)
 
 
 def backward_schedule(issued: Sequence[tuple[float, float]], backward: float) -> list[tuple[float, float]]:
@@ -292,6 +378,31 @@ def measure_jitter(steps: int = 20, batch_size: int = 4, **config) -> np.ndarray
     return times / np.median(times)
 
 
+def tp_rank_flops(model: dict, rows: int, tp: int) -> int:
+    """FLOPs of one forward + backward of one rank of a ``tp``-way TP group on ``rows`` rows (the whole group's):
+    ``FlopCounterMode`` on the course GPT with each block's four GEMMs at one rank's width (qkv and fc: 1/tp of the
+    output columns, attn.proj and mlp.proj: 1/tp of the input rows, as :mod:`~anatomy_helpers.distributed.tp_plan`
+    splits them; the attention then runs n_head/tp heads), the embedding and head whole. Shapes only (meta)."""
+    import torch
+    from torch import nn
+
+    from ..model import GPT, ModelConfig
+    from ..step import step_flops
+    from .tp_plan import check_tp
+
+    cfg = ModelConfig(**model)
+    check_tp(cfg, tp)
+    h, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+        for b in gpt.blocks if tp > 1 else ():  # this rank's share of each GEMM pair
+            dtype = b.attn.qkv.weight.dtype
+            b.attn.qkv, b.attn.proj = nn.Linear(h, 3 * h // tp, dtype=dtype), nn.Linear(h // tp, h, dtype=dtype)
+            b.mlp.fc, b.mlp.proj = nn.Linear(h, f // tp, dtype=dtype), nn.Linear(f // tp, h, dtype=dtype)
+        x = torch.zeros(rows, cfg.seq_len, dtype=torch.long)
+        return step_flops(gpt, x, x)
+
+
 def scaling_curve(
     model: dict,
     strategy: str,
@@ -302,26 +413,27 @@ def scaling_curve(
     utilisation: float = 0.4,
     link: Link = LINKS["ib_ndr"],
     jitter: Sequence[float] = (1.0,),
+    tp: int = 1,
+    tp_link: Link = LINKS["nvlink4"],
 ) -> list[StepTime]:
     """:func:`step_time` at each world size, the collectives' bytes from a dry-run rank 0 of that world (DDP's and
     ZeRO-1's gradients in the buckets a real DDP rebuilds, :func:`ddp_bucket_bytes`) and the FLOPs from
-    ``FlopCounterMode`` on one rank's rows (weak scaling: the same rows per rank at every N)."""
-    import torch
-
-    from ..model import GPT, ModelConfig
-    from ..step import step_flops
+    ``FlopCounterMode`` on one rank's rows (weak scaling: the same global batch per rank, ``rows_per_rank`` x N, at
+    every N). "tp_fsdp": ``tp``-way TP inside each node, a node training ``tp x rows_per_rank`` rows, each rank
+    computing its share of them (:func:`tp_rank_flops`); TP's collectives priced on ``tp_link``."""
     from .fake_world import dry_run_rank
-    from .ranks import RankJob
+    from .ranks import MESH_STRATEGIES, RankJob
 
-    cfg = ModelConfig(**model)
-    with torch.device("meta"):  # FlopCounterMode reads shapes only
-        gpt = GPT(cfg)
-        x = torch.zeros(rows_per_rank, cfg.seq_len, dtype=torch.long)
-        flops = step_flops(gpt, x, x)
+    if tp != 1 and strategy not in MESH_STRATEGIES:
+        raise ValueError(
+            f"tp is the TP degree of a 2-D mesh ({tuple(MESH_STRATEGIES)}), got tp={tp!r} for {strategy!r}"
+        )
+    flops = tp_rank_flops(model, rows_per_rank * tp, tp)  # tp = 1: the whole model on a rank's own rows
     buckets = ddp_bucket_bytes(model, rows_per_rank) if strategy in ("ddp", "ddp_bucket_view", "zero1") else None
     out = []
     for n in world_sizes:
-        job = RankJob(strategy, steps=1, batch_size=rows_per_rank * n, model=dict(model))
+        # no warm-up: a fake rank issues the same collectives in its first step as after any warm-up (tested)
+        job = RankJob(strategy, steps=1, warmup=0, batch_size=rows_per_rank * n, model=dict(model), tp=tp)
         trace = dry_run_rank(job, n, 0).result
         collectives = trace.collectives if buckets is None else with_buckets(trace.collectives, buckets)
         out.append(
@@ -333,6 +445,8 @@ def scaling_curve(
                 utilisation=utilisation,
                 link=link,
                 jitter=jitter,
+                tp=tp,
+                tp_link=tp_link,
             )
         )
     return out

@@ -70,7 +70,8 @@ def _check_port(port: int, host: str = "127.0.0.1") -> None:
 
 def check_jobs(jobs, world_size: int) -> list[RankJob]:
     """``jobs`` (a RankJob or a non-empty list of them) as a list, each checked against ``world_size`` before any
-    rank starts: every rank must get the same whole number of rows per micro-batch."""
+    rank starts: every data-parallel rank must get the same whole number of rows per micro-batch (:func:`check_rows`:
+    a multiple of N for data parallelism, of N / tp for a 2-D mesh, any for tensor parallelism alone)."""
     jobs = [jobs] if isinstance(jobs, RankJob) or hasattr(jobs, "run_rank") else jobs
     # a job with its own run_rank (timed_step.TimedJob) runs that on each rank instead of ranks.run_job
     if (
@@ -80,12 +81,35 @@ def check_jobs(jobs, world_size: int) -> list[RankJob]:
     ):
         raise ValueError(f"jobs must be a RankJob or a non-empty list of RankJob, got {jobs!r}")
     for job in jobs:
-        if job.batch_size % (world_size * job.micro_batches):
-            raise ValueError(
-                f"{job.strategy}: the global batch ({job.batch_size}) must be a multiple of world_size x "
-                f"micro_batches ({world_size} x {job.micro_batches}), so every rank trains as many rows"
-            )
+        check_rows(job, world_size)
     return list(jobs)
+
+
+def data_parallel_ranks(job, world_size: int) -> tuple[int, str]:
+    """(how many ways ``job``'s global batch is split, what splits it), as :func:`~anatomy_helpers.distributed.ranks.
+    run_job` slices the rows: data parallelism gives every rank its own rows (N ways); a 2-D mesh gives each of its
+    N / tp nodes its own rows, the same on the node's tp ranks (rank r trains the rows of data-parallel rank
+    r // tp); tensor parallelism alone gives every rank the same rows (1 way). ValueError for a bad mesh."""
+    from .ranks import MESH_STRATEGIES, TP_STRATEGIES
+
+    if job.strategy in MESH_STRATEGIES:
+        from .mesh2d import check_mesh
+
+        return check_mesh(world_size, job.tp), "the N / tp nodes"
+    if job.strategy in TP_STRATEGIES:
+        return 1, "one (every TP rank trains the same rows)"
+    return world_size, "world_size"
+
+
+def check_rows(job, world_size: int) -> None:
+    """ValueError unless ``job``'s global batch gives each data-parallel rank (:func:`data_parallel_ranks`) the
+    same whole number of rows per micro-batch."""
+    ways, what = data_parallel_ranks(job, world_size)
+    if job.batch_size % (ways * job.micro_batches):
+        raise ValueError(
+            f"{job.strategy}: the global batch ({job.batch_size}) must be a multiple of {what} x micro_batches "
+            f"({ways} x {job.micro_batches}), so every rank trains as many rows"
+        )
 
 
 def _check_args(world_size, port, backend, timeout_s) -> None:

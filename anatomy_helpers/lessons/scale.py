@@ -39,7 +39,14 @@ LLAMA_TP_CONFIG = ModelConfig(
 # cost grows with the number of ops, not with their sizes).
 SYNC_CONFIG = dict(n_layer=2, d_model=1024, n_head=8, seq_len=256)
 SYNC_ROWS = 32  # rows per rank (weak scaling: the same at every N)
-SYNC_WORLD_SIZES = {"ddp": (8, 64, 512, 4096), "zero1": (8, 64, 512, 4096), "fsdp2_zero3": (8, 32, 128)}
+SYNC_WORLD_SIZES = {
+    "ddp": (8, 64, 512, 4096),
+    "zero1": (8, 64, 512, 4096),
+    "fsdp2_zero3": (8, 32, 128),
+    "tp_fsdp": (8, 64, 512, 4096),  # FSDP2 over N / 8 ranks: its dry runs stay short up to 4,096
+}
+SYNC_TP = 8  # "tp_fsdp": TP over the 8 GPUs of a node (8 heads: one per rank), FSDP2 across the nodes
+TP_LINK = LINKS["nvlink4"]
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16 (NVIDIA's data sheet, docs/references.md), FLOP/s
 UTILISATION = 0.4
 LINK = LINKS["ib_ndr"]
@@ -188,9 +195,12 @@ def sync_curves(
     peak_flops: float = PEAK_FLOPS,
     utilisation: float = UTILISATION,
     link: Link = LINK,
+    tp: int = SYNC_TP,
+    tp_link: Link = TP_LINK,
 ) -> dict[str, list[StepTime]]:
     """The modelled step of each strategy at each of its world sizes (:func:`~anatomy_helpers.distributed.
-    sync_model.scaling_curve`): ``{strategy: [StepTime, ...]}``. A model, not a measurement."""
+    sync_model.scaling_curve`): ``{strategy: [StepTime, ...]}``; "tp_fsdp" with ``tp``-way TP over ``tp_link``.
+    A model, not a measurement."""
     return {
         strategy: scaling_curve(
             model,
@@ -201,6 +211,7 @@ def sync_curves(
             utilisation=utilisation,
             link=link,
             jitter=jitter,
+            **(dict(tp=tp, tp_link=tp_link) if strategy == "tp_fsdp" else {}),
         )
         for strategy, ns in world_sizes.items()
     }
@@ -218,11 +229,13 @@ def with_stragglers(curves: dict[str, list[StepTime]], jitter: Sequence[float]) 
     return out
 
 
-def format_assumptions(peak_flops: float = PEAK_FLOPS, utilisation: float = UTILISATION, link: Link = LINK) -> str:
+def format_assumptions(
+    peak_flops: float = PEAK_FLOPS, utilisation: float = UTILISATION, link: Link = LINK, tp_link: Link = TP_LINK
+) -> str:
     """The model's inputs and assumptions, in one place, to print beside its output."""
-    lines = [
-        f"device: {peak_flops / 1e12:,.0f} TFLOP/s peak at {utilisation:.0%} utilisation",
-        f"link: {link.name}: {link.bandwidth / 1e9:,.1f} GB/s per direction, {link.latency * 1e6:.0f} us per message",
+    lines = [f"device: {peak_flops / 1e12:,.0f} TFLOP/s peak at {utilisation:.0%} utilisation"] + [
+        f"{what}: {k.name}: {k.bandwidth / 1e9:,.1f} GB/s per direction, {k.latency * 1e6:.0f} us per message"
+        for what, k in (("link", link), ("TP's link, inside a node", tp_link))
     ]
     return "\n".join(lines + [f"- {a}" for a in ASSUMPTIONS])
 
@@ -247,6 +260,36 @@ def format_step_times(curves: dict[str, list[StepTime]]) -> str:
         for r in rows
     ]
     return format_table(cols, out, note="(modelled, milliseconds per step)")
+
+
+def format_priced(steps: dict[str, StepTime]) -> str:
+    """The collectives each modelled step priced (:attr:`~anatomy_helpers.distributed.sync_model.StepTime.priced`),
+    by group and op: how many, on a ring of how many ranks, their bytes (whole buffers, MiB), their time and the
+    part of it that is per-message latency (ms)."""
+    from ..units import MiB
+
+    cols = [
+        Col("strategy", 12, align="<"),
+        Col("N", 5, "d"),
+        Col("group", 14, align="<"),
+        Col("op", 14, align="<"),
+        Col("count", 5, "d"),
+        Col("ranks", 5, "d"),
+        Col("MiB", 9, ",.1f"),
+        Col("ms", 8, ",.3f"),
+        Col("latency ms", 10, ",.3f"),
+    ]
+    out = []
+    for name, step in steps.items():
+        kinds: dict[tuple, list] = {}
+        for p in step.priced:
+            group = "TP (one node)" if p.tensor_parallel else "data-parallel"
+            kinds.setdefault((group, p.op, p.ranks), []).append(p)
+        for (group, op, ranks), ps in kinds.items():
+            seconds, latency = sum(p.seconds for p in ps), sum(p.latency for p in ps)
+            out.append([name, step.n, group, op, len(ps), ranks, sum(p.bytes for p in ps) / MiB, seconds * 1e3,
+                        latency * 1e3])  # fmt: skip
+    return format_table(cols, out, note="(modelled, per step; MiB: whole buffers)")
 
 
 # ---- section 3, real ranks: the model against a measured 2-rank step ---------------------------------------------
