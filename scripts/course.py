@@ -139,6 +139,42 @@ def pip(env: Env, args: list[str], quiet: bool = True, check: bool = True) -> su
     return subprocess.run(cmd, check=check, cwd=ROOT)
 
 
+#: pip's settings that say where packages come from, and uv's flag for each (uv reads no pip configuration).
+PIP_TO_UV = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+             "constraint": "--constraint"}  # fmt: skip
+
+
+def uv_flags(pip_config: str) -> list[str]:
+    """``pip config list``'s output (files and PIP_* variables, e.g. ``global.find-links='/opt/wheels'``) as uv
+    flags, so that uv installs from where pip would: a mirror, a local wheel folder, a constraints file. Like pip,
+    uv then takes the best version any of those indexes has (pip's rule; uv's own default prefers the first index
+    that has the package at all)."""
+    flags: dict[str, list[str]] = {}
+    for line in sorted(pip_config.splitlines(), key=lambda line: line.startswith(":env:")):
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in PIP_TO_UV:  # PIP_* variables (":env:", sorted last) override the files, as in pip
+            flags[name] = value.strip().strip("'\"").split()
+    out = [flag for name, values in flags.items() for v in values for flag in (PIP_TO_UV[name], v)]
+    return out + ["--index-strategy", "unsafe-best-match"]
+
+
+def fast_install(env: Env, args: list[str]) -> bool:
+    """Install ``args`` into ``env`` with uv (pip's interface, in parallel: about 15 s for the development
+    requirements against about 55 s with pip on 2 cores), byte-compiled as pip does. False, having printed why,
+    where uv cannot be had or fails: the caller then uses pip."""
+    got = subprocess.run([str(env.python), "-m", "pip", "install", "-q", "uv"], cwd=ROOT, capture_output=True)
+    if got.returncode:
+        print("uv could not be installed; installing with pip (slower)", flush=True)
+        return False
+    config = subprocess.run([str(env.python), "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    cmd = [str(env.python), "-m", "uv", "pip", "install", "-q", "--python", str(env.python), "--compile-bytecode"]
+    done = subprocess.run([*cmd, *uv_flags(config), *args], cwd=ROOT)
+    if done.returncode:
+        print("uv failed (above); installing with pip instead", flush=True)
+    return done.returncode == 0
+
+
 def env_has(env: Env, module: str) -> bool:
     return subprocess.run([str(env.python), "-c", f"import {module}"], capture_output=True).returncode == 0
 
@@ -172,7 +208,9 @@ def setup(env: Env, *, dev: bool, gpu: bool, wheelhouse: Path | None = None) -> 
         install_torch(env, gpu, wheelhouse)
     requirements = DEV_REQUIREMENTS if dev else LEARNER_REQUIREMENTS
     print(f"installing {requirements.name}", flush=True)
-    pip(env, [*offline, "-r", str(requirements)])
+    # uv into the course's own .venv only (never into an environment of yours: --here), and never offline
+    if wheelhouse is not None or not env.is_venv or not fast_install(env, ["-r", str(requirements)]):
+        pip(env, [*offline, "-r", str(requirements)])
     print("installing the course package (editable)", flush=True)
     pip(env, [*offline, "--no-deps", "-e", str(ROOT)])
     target = lab_settings_target(env.prefix)

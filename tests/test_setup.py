@@ -234,3 +234,44 @@ def test_jupyterlab_starts_with_a_passive_openmp_wait_policy_its_kernels_inherit
     [(argv, env)] = started
     assert argv[1:4] == ["-m", "jupyter", "lab"] and env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert env["PATH"] == course.os.environ["PATH"]  # the rest of the environment as it was
+
+
+def test_uv_installs_from_where_pip_would():
+    config = "\n".join([
+        ":env:.find-links='/opt/wheels'",
+        ":env:.cert='/etc/ssl/certs/ca-certificates.crt'",
+        "global.constraint='/etc/xdg/pip/constraints.txt'",
+        "global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'",
+        "global.find-links='/somewhere/else'",  # the variable above overrides the file, as in pip
+        "global.index-url='https://mirror.example/simple'",
+    ])  # fmt: skip
+    flags = course.uv_flags(config)
+    pairs = list(zip(flags[0::2], flags[1::2]))
+    assert sorted(pairs) == sorted([
+        ("--find-links", "/opt/wheels"),
+        ("--constraint", "/etc/xdg/pip/constraints.txt"),
+        ("--extra-index-url", "file:///opt/a/simple"),
+        ("--extra-index-url", "file:///opt/b/simple"),
+        ("--index-url", "https://mirror.example/simple"),
+        ("--index-strategy", "unsafe-best-match"),  # pip's rule: the best version from any index
+    ])  # fmt: skip
+    assert course.uv_flags("") == ["--index-strategy", "unsafe-best-match"]
+
+
+def test_setup_falls_back_to_pip_offline_outside_its_venv_and_when_uv_fails(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(course, "env_has", lambda env, module: True)  # torch is there
+    monkeypatch.setattr(course, "pip", lambda env, args, **kw: calls.append(("pip", args[-1])))
+    monkeypatch.setattr(course, "fast_install", lambda env, args: calls.append(("uv", args[-1])) or uv_works)
+    monkeypatch.setattr(course.shutil, "copyfile", lambda *a: None)
+    req = str(course.LEARNER_REQUIREMENTS)
+    venv = course.Env(Path(sys.executable), tmp_path, is_venv=True)
+    for uv_works, env, wheelhouse, expected in [
+        (True, venv, None, [("uv", req)]),
+        (False, venv, None, [("uv", req), ("pip", req)]),
+        (True, venv, tmp_path, [("pip", req)]),  # offline: pip reads the wheelhouse
+        (True, fake_env(tmp_path), None, [("pip", req)]),  # --here: nothing added to the learner's own env
+    ]:
+        calls.clear()
+        course.setup(env, dev=False, gpu=False, wheelhouse=wheelhouse)
+        assert calls == [*expected, ("pip", str(course.ROOT))], (uv_works, env.is_venv, wheelhouse)
