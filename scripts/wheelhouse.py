@@ -12,11 +12,12 @@ matplotlib, ipywidgets and what they need) is about 60 MB per platform and Pytho
 
 Another platform's set of packages is not this machine's: `pip download --platform` evaluates environment markers
 for the machine that runs it, so a Windows wheelhouse built on Linux would lack colorama (IPython needs it on
-Windows) and a macOS one appnope. So for a --platform or --python other than this interpreter's, the set is resolved
-for the target by uv (`uv pip compile --python-platform ... --python-version ...`, which evaluates the target's
-markers and checks its wheel tags), and pip then downloads exactly those pins (--no-deps) for that target. uv is
-taken from PATH, or from PyPI into a temporary folder (about 18 MB) that goes away afterwards. The script itself
-needs only the standard library.
+Windows) and a macOS one appnope. So the set is resolved for the target by uv (`uv pip compile --python-platform ...
+--python-version ...`, which evaluates the target's markers and checks its wheel tags), and pip then downloads
+exactly those pins (--no-deps) for that target. uv also keeps torch out of that set although lesson 09's peft and
+accelerate require it (an override drops the requirement): torch comes on its own, from the right index, or not at
+all with --no-torch; pip alone would fetch the CUDA build from PyPI on Linux. uv is taken from PATH, or from PyPI
+into a temporary folder (about 18 MB) that goes away afterwards. The script itself needs only the standard library.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def torch_index(plat: str | None) -> str | None:
 
 
 def find_uv(scratch: Path) -> str:
-    """uv's executable: on PATH, else installed from PyPI into ``scratch`` (nothing else on the machine changes)."""
-    found = shutil.which("uv")
+    """uv's executable: on PATH or beside this Python, else installed from PyPI into ``scratch`` (nothing else on the
+    machine changes)."""
+    found = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
     if found:
         return found
     print("fetching uv from PyPI (to resolve another platform's packages with that platform's markers)", flush=True)
@@ -89,14 +91,20 @@ def find_uv(scratch: Path) -> str:
     return str(scratch / "uv" / "bin" / ("uv.exe" if os.name == "nt" else "uv"))
 
 
-def resolve(uv: str, requirements: list[str], plat: str | None, python: str, index: str | None = None) -> list[str]:
+def resolve(uv: str, requirements: list[str], plat: str | None, python: str, index: str | None = None,
+            without_torch: bool = False) -> list[str]:
     """The pinned set (``name==version`` lines) ``requirements`` need on ``plat`` (None: this machine's) with Python
-    ``python``: resolved by uv with that target's environment markers and wheel tags, wheels only."""
-    cmd = [uv, "pip", "compile", "-", "--python-version", python, "--only-binary", ":all:", "--no-header",
-           "--no-annotate", "--quiet", *(["--python-platform", UV_PLATFORMS[plat]] if plat else []),
-           *(["--index-url", index] if index else [])]  # fmt: skip
-    env = dict(os.environ, MACOSX_DEPLOYMENT_TARGET=MACOS_TARGET)
-    done = subprocess.run(cmd, input="\n".join(requirements) + "\n", capture_output=True, text=True, env=env)
+    ``python``: resolved by uv with that target's environment markers and wheel tags, wheels only. ``without_torch``:
+    a requirement on torch (peft's, accelerate's) is dropped, with what only torch needs."""
+    with tempfile.TemporaryDirectory() as scratch:
+        override = Path(scratch) / "override.txt"
+        override.write_text('torch; sys_platform == "never"\n')  # uv's way to remove a dependency: a marker never true
+        cmd = [uv, "pip", "compile", "-", "--python-version", python, "--only-binary", ":all:", "--no-header",
+               "--no-annotate", "--quiet", *(["--python-platform", UV_PLATFORMS[plat]] if plat else []),
+               *(["--index-url", index] if index else []),
+               *(["--override", str(override)] if without_torch else [])]  # fmt: skip
+        env = dict(os.environ, MACOSX_DEPLOYMENT_TARGET=MACOS_TARGET)
+        done = subprocess.run(cmd, input="\n".join(requirements) + "\n", capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"uv could not resolve {requirements} for {plat or 'this platform'}, Python {python}:\n"
                          f"{done.stderr.strip()}")  # fmt: skip
@@ -113,19 +121,17 @@ def pip_download(base: list[str], requirements: list[str]) -> None:
         Path(f.name).unlink()
 
 
-def download(dest: Path, plat: str | None, python: str | None, torch: bool, index: str | None, uv: str | None) -> None:
-    """Fill ``dest`` for one target. ``uv`` (needed unless the target is this interpreter) resolves its set."""
+def download(dest: Path, plat: str | None, python: str | None, torch: bool, index: str | None, uv: str) -> None:
+    """Fill ``dest`` for one target (``plat`` None, ``python`` None: this machine's); ``uv`` resolves its set."""
     base = [sys.executable, "-m", "pip", "download", "-q", "--dest", str(dest), *target_args(plat, python)]
     torch_from = torch_index(plat) if index is None else (None if index == "default" else index)
-    sets = [(requirements_without_torch() + BUILD, os.environ.get("PIP_INDEX_URL"))]
+    sets = [(requirements_without_torch() + BUILD, os.environ.get("PIP_INDEX_URL"), True)]
     if torch:
-        sets.append(([f"torch=={TORCH_VERSION}"], torch_from))
-    for requirements, from_index in sets:
+        sets.append(([f"torch=={TORCH_VERSION}"], torch_from, False))
+    for requirements, from_index, without_torch in sets:
         where = ["--index-url", from_index] if from_index else []
-        if uv is None:  # this interpreter: pip's own resolution evaluates the right markers
-            pip_download([*base, *where], requirements)
-            continue
-        pins = resolve(uv, requirements, plat, python or "{}.{}".format(*sys.version_info), from_index)
+        python_version = python or "{}.{}".format(*sys.version_info)
+        pins = resolve(uv, requirements, plat, python_version, from_index, without_torch)
         print(f"  {len(pins)} packages for that target (uv, with its markers)", flush=True)
         pip_download([*base, *where, "--no-deps"], pins)
 
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dest.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        uv = find_uv(Path(scratch)) if args.platform or args.python else None
+        uv = find_uv(Path(scratch))
         for plat in args.platform or [None]:
             for python in args.python or [None]:
                 what = f"{plat or 'this platform'}, Python {python or platform.python_version()}"

@@ -1,9 +1,10 @@
 """The Binder path: repo2docker builds the image from binder/ alone (it reads nothing else when binder/ exists).
 
 repo2docker itself needs a container engine, which CI does not have. So a fresh virtual environment stands in for
-its base image (Python with ipykernel; torch linked from this environment in place of the CPU wheel the file asks
-for, so nothing big is downloaded), then gets exactly what repo2docker does: `pip install -r binder/requirements.txt`
-from the repository root and binder/postBuild. The tour's learner copy, which the badge opens, then executes in it.
+its base image (Python with ipykernel; torch, transformers and peft linked from this environment in place of the
+wheels the file asks for, so nothing big is downloaded), then gets exactly what repo2docker does:
+`pip install -r binder/requirements.txt` from the repository root and binder/postBuild. The tour's learner copy,
+which the badge opens, then executes in it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ BINDER = ROOT / "binder"
 def test_binder_folder_has_what_repo2docker_needs():
     reqs = (BINDER / "requirements.txt").read_text().splitlines()
     lines = [line.strip() for line in reqs if line.strip() and not line.startswith("#")]
-    assert "-e ." in lines or "." in lines  # the course package, from the repository
+    assert "-e .[hf]" in lines  # the course package, from the repository, with lesson 09's Hugging Face extra
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines  # the CPU build of torch
     assert any(re.fullmatch(r"torch==\d+\.\d+\.\d+", line) for line in lines)
     assert re.fullmatch(r"python-3\.\d+\n", (BINDER / "runtime.txt").read_text())  # Python pinned
@@ -41,7 +42,7 @@ def test_binder_environment_runs_the_tour(tmp_path):
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if pinned != here:
         print(f"NOTE: binder/runtime.txt pins Python {pinned}; this test runs Python {here}")
-    env = make_env(tmp_path, ["torch", "ipykernel", "nbclient", "nbformat"],
+    env = make_env(tmp_path, ["torch", "transformers", "peft", "ipykernel", "nbclient", "nbformat"],
                    exclude={"numpy", "matplotlib", "ipywidgets", "anatomy-helpers"})  # fmt: skip
     assert env.run(["-c", "import numpy"], check=False).returncode != 0  # binder/requirements.txt must bring it
     # The CPU index is not reachable from CI; don't let pip retry it for every package (torch is already here).
@@ -56,6 +57,7 @@ def test_binder_environment_runs_the_tour(tmp_path):
     settings = env.root / "share/jupyter/lab/settings/overrides.d/training-step-anatomy.json"
     assert settings.read_text() == (ROOT / "jupyter" / "lab-overrides.json").read_text()
     assert env.version("torch").startswith("2.13.0") and env.version("ipywidgets").startswith("8.")
+    env.run(["-c", "import anatomy_helpers, peft, transformers"])  # lesson 09's extra came with the package
     run_env = dict(
         os.environ,
         **env.add_kernel("binder"),

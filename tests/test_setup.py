@@ -4,6 +4,7 @@ tests/test_wheelhouse.py."""
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +88,10 @@ def test_learner_and_development_requirements_are_split():
         assert tool not in learner.split("# The development tools")[0].split("\n", 4)[-1] and tool in dev
     assert "-r requirements.txt" in dev
     names = [line.split(">")[0].split("=")[0].strip() for line in learner.splitlines() if line and line[0] != "#"]
-    assert names == ["torch", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "ipykernel"]
+    assert names == ["torch", "numpy", "matplotlib", "ipywidgets", "jupyterlab", "ipykernel", "transformers", "peft"]
+    # lesson 09's extra, as pyproject.toml states it (lab.sh installs every lesson's needs)
+    hf = re.search(r"^hf = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert {r.strip().strip('"') for r in hf.split(",")} <= set(learner.splitlines())
 
 
 def test_the_shell_and_windows_wrappers_only_call_course_py():
