@@ -91,8 +91,14 @@ def find_uv(scratch: Path) -> str:
     return str(scratch / "uv" / "bin" / ("uv.exe" if os.name == "nt" else "uv"))
 
 
-def resolve(uv: str, requirements: list[str], plat: str | None, python: str, index: str | None = None,
-            without_torch: bool = False) -> list[str]:
+def resolve(
+    uv: str,
+    requirements: list[str],
+    plat: str | None,
+    python: str,
+    index: str | None = None,
+    without_torch: bool = False,
+) -> list[str]:
     """The pinned set (``name==version`` lines) ``requirements`` need on ``plat`` (None: this machine's) with Python
     ``python``: resolved by uv with that target's environment markers and wheel tags, wheels only. ``without_torch``:
     a requirement on torch (peft's, accelerate's) is dropped, with what only torch needs."""
