@@ -424,7 +424,7 @@ def scaling_curve(
     computing its share of them (:func:`tp_rank_flops`); TP's collectives priced on ``tp_link``.
 
     "fsdp2_zero3": the collectives from :func:`~anatomy_helpers.distributed.fake_world.fsdp_collectives_rule` at
-    every N instead: an FSDP2 dry run grows with N (about 2 s at 128 ranks, a minute at 4,096 on two cores), the rule
+    every N instead: an FSDP2 dry run grows with N (2 s at 128 ranks, 30-60 s at 4,096 on two cores), the rule
     takes milliseconds and equals the dry run wherever both run (tests/test_fake_world.py; notebook 11 checks one N).
     One source for the whole curve: a dry run at small N would change no byte of it."""
     from .fake_world import dry_run_rank, fsdp_collectives_rule

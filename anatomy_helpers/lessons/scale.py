@@ -42,7 +42,7 @@ SYNC_ROWS = 32  # rows per rank (weak scaling: the same at every N)
 SYNC_WORLD_SIZES = {
     "ddp": (8, 64, 512, 4096),
     "zero1": (8, 64, 512, 4096),
-    "fsdp2_zero3": (8, 64, 512, 4096),  # by fsdp_collectives_rule: its dry runs grow with N (a minute at 4,096)
+    "fsdp2_zero3": (8, 64, 512, 4096),  # by fsdp_collectives_rule: its dry runs grow with N (30-60 s at 4,096)
     "tp_fsdp": (8, 64, 512, 4096),  # FSDP2 over N / 8 ranks: its dry runs stay short up to 4,096
 }
 SYNC_CHECK_N = 64  # where the notebook sets FSDP2's rule beside its dry run (about 1 s)
