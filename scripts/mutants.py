@@ -396,6 +396,24 @@ MUTANTS = [
         ("tests/test_fake_world.py::test_dry_run_model_states_follow_the_rules_at_large_n",),
     ),
     Mutant(
+        "fake_world.fsdp-collectives-unpadded",
+        "distributed/fake_world.py",
+        "total += fsdp_rows(p.shape[0], world_size, 0)[1] * row",
+        "total += p.numel() * p.element_size() // world_size",
+        ("tests/test_fake_world.py::test_the_fsdp_collectives_rule_is_what_a_dry_run_rank_issues",),
+    ),
+    Mutant(
+        "fake_world.fsdp-collectives-reduce-before-prefetch",
+        "distributed/fake_world.py",
+        """        if i > 0:
+            out.append(gather("backward", blocks[i - 1]))  # prefetched before block i's backward runs
+        out.append(note("backward", "_reduce_scatter_base_", blocks[i]))""",
+        """        out.append(note("backward", "_reduce_scatter_base_", blocks[i]))
+        if i > 0:
+            out.append(gather("backward", blocks[i - 1]))""",
+        ("tests/test_fake_world.py::test_the_fsdp_collectives_rule_is_what_a_dry_run_rank_issues",),
+    ),
+    Mutant(
         "tensor_parallel.sp-shards-only-what-tp-shards",
         "distributed/tensor_parallel.py",
         "v / t if sequence_parallel or term in TP_SHARDED_TERMS else v",

@@ -23,7 +23,7 @@ from anatomy_helpers.distributed.fake_world import (
 )
 from anatomy_helpers.distributed.ranks import STRATEGIES, RankJob
 from anatomy_helpers.distributed.world import run_world
-from anatomy_helpers.model import ModelConfig
+from anatomy_helpers.model import GPT, ModelConfig
 from anatomy_helpers.prediction.formulas import zero_model_states
 from anatomy_helpers.tensors import storage_bytes
 
@@ -92,6 +92,31 @@ def test_fsdp_rows_are_torch_chunk_padded_to_the_first_chunk():
                 held, padded = fsdp_rows(dim0, n, rank)
                 assert held == (pieces[rank].numel() if rank < len(pieces) else 0)
                 assert padded == pieces[0].numel()
+
+
+# A model whose rows few N divide (d_model 100, 300 in qkv, 400 in the MLP, the 59-token embedding), with three blocks
+# to show FSDP2's backward prefetch order; beside it notebook 11's time model (d_model 1,024).
+PADDED = dict(n_layer=3, d_model=100, n_head=4, seq_len=16)
+
+
+@pytest.mark.parametrize("model", ["PADDED", "SYNC_CONFIG"])
+def test_the_fsdp_collectives_rule_is_what_a_dry_run_rank_issues(model):
+    """fsdp_collectives_rule against dry-run ranks: every collective (phase, op, bytes), in order, at N = 1 (FSDP2
+    issues none), powers of two and not (96 pads d_model = 1,024 too; 128 leaves PADDED's last ranks empty rows);
+    at 96 the padding shows."""
+    from anatomy_helpers.distributed.fake_world import fsdp_collectives_rule
+    from anatomy_helpers.lessons.scale import SYNC_CONFIG
+
+    config, world_sizes = (PADDED, (1, 2, 8, 32, 96, 128)) if model == "PADDED" else (SYNC_CONFIG, (8, 96, 128))
+    traced = {}
+    for n in world_sizes:
+        fsdp = RankJob("fsdp2_zero3", steps=1, warmup=0, batch_size=n, model=dict(config))
+        traced[n] = [(c.phase, c.op, c.bytes) for c in dry_run_rank(fsdp, n, 0).result.collectives]
+        assert [(c.phase, c.op, c.bytes) for c in fsdp_collectives_rule(config, n)] == traced[n], n
+    with torch.device("meta"):
+        gradients = sum(p.numel() * p.element_size() for p in GPT(ModelConfig(**config)).parameters())
+    reduced = sum(nbytes for _, op, nbytes in traced[96] if op == "_reduce_scatter_base_")  # one rank's shard
+    assert 96 * reduced > gradients  # every rank's padded shard: more than the gradients
 
 
 def test_zero1_partition_is_largest_first_onto_the_emptiest_rank():

@@ -73,7 +73,9 @@ def test_measure_jitter_is_relative_to_the_median():
     assert j.shape == (5,) and np.median(j) == pytest.approx(1.0) and (j > 0).all()
 
 
-def test_scaling_curve_prices_each_worlds_dry_run_collectives():
+def test_scaling_curve_prices_fsdp2_by_the_rule_as_it_would_price_the_dry_run():
+    from anatomy_helpers.distributed.fake_world import dry_run_rank
+    from anatomy_helpers.distributed.ranks import RankJob
     from anatomy_helpers.distributed.sync_model import scaling_curve
 
     from .conftest import SMALL
@@ -82,6 +84,9 @@ def test_scaling_curve_prices_each_worlds_dry_run_collectives():
     assert [r.n for r in rows] == [2, 16]
     assert rows[0].forward == rows[1].forward > 0  # weak scaling: the same rows per rank
     assert 0 < rows[0].communication < rows[1].communication  # more ring steps, padded shards
+    traced = dry_run_rank(RankJob("fsdp2_zero3", steps=1, warmup=0, batch_size=16, model=dict(SMALL)), 16).result
+    dry = step_time(traced.collectives, 16, flops=1.0, peak_flops=1e12, link=LINK)
+    assert rows[1].priced == dry.priced and rows[1].communication == dry.communication
 
 
 def test_the_scaling_plot_has_one_line_per_strategy_and_units():

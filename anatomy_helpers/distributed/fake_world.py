@@ -13,7 +13,8 @@ real rank sends back, for any N (a fake rank of 4,096 takes about as long as one
 What differs from a real rank, and why it does not change the bytes: :data:`FAKE_RULES`. Checked: at N = 2 and 4 every
 rank's table row, torch's own figures, activation peak, timeline length and collectives equal a real gloo rank's
 (:func:`rank_differences`); at any N the model states equal :func:`model_states_rule`, the rules lesson 08 found,
-computed from the shapes alone. Bytes everywhere.
+computed from the shapes alone, and an FSDP2 rank's collectives :func:`fsdp_collectives_rule` (the time model's input
+where an FSDP2 dry run grows too slow). Bytes everywhere.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from ..interrupts import DeferredInterrupt
 from ..model import GPT, ModelConfig
 from ..prediction.dryrun import build_fake_model, course_batch
-from .ranks import MESH_STRATEGIES, RankJob, RankResult, run_job
+from .ranks import MESH_STRATEGIES, Collective, RankJob, RankResult, run_job
 from .world import check_rows
 
 #: What a fake rank cannot do as a real one does, and the rule used instead (each one leaves the bytes unchanged;
@@ -278,6 +279,60 @@ def mesh_states_rule(model: dict, world_size: int, tp: int, rank: int = 0) -> di
         moments += 2 * held * row + STEP_BYTES
     buffers = sum(b.untyped_storage().nbytes() for b in gpt.buffers())
     return {"parameters": params + buffers, "gradients": grads, "optimizer_state": moments}
+
+
+def fsdp_collectives_rule(model: dict, world_size: int) -> list[Collective]:
+    """The collectives a "fsdp2_zero3" rank (FSDP2, reshard_after_forward=True, each block then the root wrapped)
+    issues in one step of one micro-batch, as its trace notes them (phase, c10d op, bytes of the output), from the
+    course GPT's shapes alone: what a dry-run rank of any N records, without the dry run (which grows with N).
+
+    It follows torch's FSDP2 (torch/distributed/fsdp/_fully_shard/):
+
+    * a group is one ``fully_shard`` call's parameters: each block's, and the root's (those in no block: the
+      embeddings, the final norm, the head; a tied weight once). Each parameter's shard is its dim 0 cut by
+      ``torch.chunk`` and padded to the first chunk, ``ceil(dim0 / N)`` rows (_fsdp_param.py, :func:`fsdp_rows`);
+    * an all-gather's output holds every rank's padded shards of the group: ``N x`` one rank's
+      (``foreach_all_gather``, _fsdp_collectives.py); a reduce-scatter's output is one rank's padded shard of the
+      group's gradients (``foreach_reduce``: its input is each gradient padded to ``ceil(dim0 / N) x N`` rows);
+    * forward all-gathers the root, then each block in order; every group reshards after its forward, so backward
+      gathers again: the root's pre-backward gathers the root, and each group's pre-backward prefetches the group
+      that ran before it in forward (``_backward_prefetch``, one group ahead: block L-1 from the root's); each
+      block's post-backward reduce-scatters it, and the root's gradients (the tied weight gets its last gradient at
+      the embedding) are reduce-scattered at the very end;
+    * at N = 1 FSDP2 issues no collective (``unshard`` and ``foreach_reduce`` skip them).
+
+    ``index`` and ``time_s`` are 0 (a rule has no timeline), ``step`` 1. tests/test_fake_world.py checks the list
+    against dry-run ranks, op by op and byte for byte."""
+    _check(RankJob("fsdp2_zero3", batch_size=world_size, model=dict(model)), world_size, 0, fake=False)
+    if world_size == 1:
+        return []
+    with torch.device("meta"):
+        gpt = GPT(ModelConfig(**model))
+
+    def shard(params) -> int:  # one rank's padded shard of each parameter: ceil(dim0 / N) rows (bytes)
+        total = 0
+        for p in params:
+            row = p.numel() // p.shape[0] * p.element_size()  # bytes of one dim-0 row
+            total += fsdp_rows(p.shape[0], world_size, 0)[1] * row
+        return total
+
+    in_blocks = {id(p) for b in gpt.blocks for p in b.parameters()}
+    root = shard(p for p in gpt.parameters() if id(p) not in in_blocks)
+    blocks = [shard(b.parameters()) for b in gpt.blocks]
+
+    def note(phase: str, op: str, nbytes: int) -> Collective:
+        return Collective(index=0, time_s=0.0, step=1, phase=phase, op=op, bytes=nbytes)
+
+    def gather(phase: str, group: int) -> Collective:
+        return note(phase, "_allgather_base_", world_size * group)
+
+    out = [gather("forward", g) for g in (root, *blocks)]
+    out += [gather("backward", root), gather("backward", blocks[-1])]
+    for i in reversed(range(len(blocks))):
+        if i > 0:
+            out.append(gather("backward", blocks[i - 1]))  # prefetched before block i's backward runs
+        out.append(note("backward", "_reduce_scatter_base_", blocks[i]))
+    return out + [note("backward", "_reduce_scatter_base_", root)]
 
 
 # ---- a fake rank against a real one, and the per-rank table at any N ----------------------------------------------

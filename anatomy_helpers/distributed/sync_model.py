@@ -5,7 +5,8 @@ Everything here is a *model*, with its assumptions in one place (:data:`ASSUMPTI
 * compute: the FLOPs of one rank's forward and backward as torch's ``FlopCounterMode`` counts them
   (:func:`~anatomy_helpers.step.step_flops`), at a device's peak throughput times a stated utilisation;
 * communication: the bytes each rank's collectives carry, read from a rank's trace (a real rank's, or a dry-run
-  rank of any N from :mod:`~anatomy_helpers.distributed.fake_world`), priced with the alpha-beta cost of ring
+  rank of any N from :mod:`~anatomy_helpers.distributed.fake_world`; FSDP2's from the rule that equals its dry
+  run, which grows with N), priced with the alpha-beta cost of ring
   collectives (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009; NCCL's bus-bandwidth factors): an
   all-reduce of ``S`` bytes on ``N`` ranks takes ``2(N-1) alpha + 2(N-1)/N * S / beta``; a reduce-scatter or an
   all-gather (``S`` the whole gathered buffer) half of that;
@@ -420,8 +421,13 @@ def scaling_curve(
     ZeRO-1's gradients in the buckets a real DDP rebuilds, :func:`ddp_bucket_bytes`) and the FLOPs from
     ``FlopCounterMode`` on one rank's rows (weak scaling: the same global batch per rank, ``rows_per_rank`` x N, at
     every N). "tp_fsdp": ``tp``-way TP inside each node, a node training ``tp x rows_per_rank`` rows, each rank
-    computing its share of them (:func:`tp_rank_flops`); TP's collectives priced on ``tp_link``."""
-    from .fake_world import dry_run_rank
+    computing its share of them (:func:`tp_rank_flops`); TP's collectives priced on ``tp_link``.
+
+    "fsdp2_zero3": the collectives from :func:`~anatomy_helpers.distributed.fake_world.fsdp_collectives_rule` at
+    every N instead: an FSDP2 dry run grows with N (2 s at 128 ranks, 30-60 s at 4,096 on two cores), the rule
+    takes milliseconds and equals the dry run wherever both run (tests/test_fake_world.py; notebook 11 checks one N).
+    One source for the whole curve: a dry run at small N would change no byte of it."""
+    from .fake_world import dry_run_rank, fsdp_collectives_rule
     from .ranks import MESH_STRATEGIES, RankJob
 
     if tp != 1 and strategy not in MESH_STRATEGIES:
@@ -432,10 +438,13 @@ def scaling_curve(
     buckets = ddp_bucket_bytes(model, rows_per_rank) if strategy in ("ddp", "ddp_bucket_view", "zero1") else None
     out = []
     for n in world_sizes:
-        # no warm-up: a fake rank issues the same collectives in its first step as after any warm-up (tested)
-        job = RankJob(strategy, steps=1, warmup=0, batch_size=rows_per_rank * n, model=dict(model), tp=tp)
-        trace = dry_run_rank(job, n, 0).result
-        collectives = trace.collectives if buckets is None else with_buckets(trace.collectives, buckets)
+        if strategy == "fsdp2_zero3":
+            collectives = fsdp_collectives_rule(model, n)
+        else:
+            # no warm-up: a fake rank issues the same collectives in its first step as after any warm-up (tested)
+            job = RankJob(strategy, steps=1, warmup=0, batch_size=rows_per_rank * n, model=dict(model), tp=tp)
+            traced = dry_run_rank(job, n, 0).result.collectives
+            collectives = traced if buckets is None else with_buckets(traced, buckets)
         out.append(
             step_time(
                 collectives,

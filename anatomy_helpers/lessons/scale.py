@@ -42,9 +42,10 @@ SYNC_ROWS = 32  # rows per rank (weak scaling: the same at every N)
 SYNC_WORLD_SIZES = {
     "ddp": (8, 64, 512, 4096),
     "zero1": (8, 64, 512, 4096),
-    "fsdp2_zero3": (8, 32, 128),
+    "fsdp2_zero3": (8, 64, 512, 4096),  # by fsdp_collectives_rule: its dry runs grow with N (30-60 s at 4,096)
     "tp_fsdp": (8, 64, 512, 4096),  # FSDP2 over N / 8 ranks: its dry runs stay short up to 4,096
 }
+SYNC_CHECK_N = 64  # where the notebook sets FSDP2's rule beside its dry run (about 1 s)
 SYNC_TP = 8  # "tp_fsdp": TP over the 8 GPUs of a node (8 heads: one per rank), FSDP2 across the nodes
 TP_LINK = LINKS["nvlink4"]
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16 (NVIDIA's data sheet, docs/references.md), FLOP/s
