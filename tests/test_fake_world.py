@@ -107,7 +107,7 @@ def test_the_fsdp_collectives_rule_is_what_a_dry_run_rank_issues(model):
     from anatomy_helpers.distributed.fake_world import fsdp_collectives_rule
     from anatomy_helpers.lessons.scale import SYNC_CONFIG
 
-    config, world_sizes = (PADDED, (1, 2, 8, 32, 96, 128)) if model == "PADDED" else (SYNC_CONFIG, (8, 96, 128))
+    config, world_sizes = (PADDED, (1, 8, 96, 128)) if model == "PADDED" else (SYNC_CONFIG, (96,))
     traced = {}
     for n in world_sizes:
         fsdp = RankJob("fsdp2_zero3", steps=1, warmup=0, batch_size=n, model=dict(config))
