@@ -396,6 +396,13 @@ MUTANTS = [
         ("tests/test_fake_world.py::test_dry_run_model_states_follow_the_rules_at_large_n",),
     ),
     Mutant(
+        "fake_check.16bit-cpu-calls-run-at-any-size",
+        "prediction/fake_check.py",
+        "limit = min(max_bytes, MAX_CHECK_BYTES_16BIT_CPU) if slow else max_bytes",
+        "limit = max_bytes",
+        ("tests/test_dryrun_modules.py::test_16bit_calls_on_the_cpu_over_a_mib_are_checked_on_the_small_twin",),
+    ),
+    Mutant(
         "fake_world.fsdp-collectives-unpadded",
         "distributed/fake_world.py",
         "total += fsdp_rows(p.shape[0], world_size, 0)[1] * row",

@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomy_helpers import make_optimizer
-from anatomy_helpers.prediction import fake_check
+from anatomy_helpers.prediction import dryrun, fake_check
 from anatomy_helpers.prediction.dryrun import DryRunError, dry_run, dry_run_config, fake_module, run_steps
 
 from .conftest import SMALL
@@ -221,6 +221,27 @@ def test_checks_are_remembered_and_leave_the_rng_alone(nothing_checked, monkeypa
 
     monkeypatch.setattr(fake_check, "_real_call", no_real_call)
     dry_run_config(batch_size=3, **{**cfg, "n_layer": 3})  # other sizes, same signatures: nothing runs for real
+
+
+def test_16bit_calls_on_the_cpu_over_a_mib_are_checked_on_the_small_twin(nothing_checked, monkeypatch):
+    """A bfloat16 model whose smallest weight (1,024 x 1,024) is 2 MiB: every signature of its dry run is checked, none of
+    them for real at a bfloat16 call over MAX_CHECK_BYTES_16BIT_CPU (slow on a CPU without 16-bit arithmetic)."""
+    seen, ran = [], []
+    check_calls, real_call = fake_check.check_calls, fake_check._real_call
+    monkeypatch.setattr(dryrun, "check_calls", lambda calls, *a: seen.append(calls) or check_calls(calls, *a))
+    monkeypatch.setattr(fake_check, "_real_call", lambda call: ran.append(call) or real_call(call))
+    dry_run_config(batch_size=2, **{**SMALL, "d_model": 1024, "n_head": 8, "seq_len": 16, "dtype": "bfloat16"})
+
+    def bf16(call) -> bool:
+        return any(getattr(a, "dtype", None) == torch.bfloat16 for a in [*call.args, *call.kwargs.values()])
+
+    def size(call) -> int:
+        return call.nbytes + fake_check._new_bytes(call.outcome)
+
+    assert any(bf16(c) and size(c) > 2**20 for c in seen[0].values())  # the full-size run has such calls ...
+    assert len(seen) == 2  # ... so the small twin ran too
+    assert ran and max(size(c) for c in ran if bf16(c)) <= fake_check.MAX_CHECK_BYTES_16BIT_CPU == 2**20
+    assert all(fake_check.op_checked(key) for calls in seen for key in calls)
 
 
 def test_ops_too_large_to_check_are_refused_or_checked_on_a_small_twin(nothing_checked, monkeypatch):

@@ -308,7 +308,8 @@ def _check_ops(calls: dict, what: str, small_twin: Callable[[], dict] | None = N
         ops = sorted({str(key[0]) for key in unchecked})
         raise DryRunError(
             f"a dry run of {what} uses {', '.join(ops)} only at calls over {fake_check.MAX_CHECK_BYTES / 2**20:g} MiB "
-            "(or on a device this machine lacks), too large to check against the real kernel here: dry-run a "
+            f"({fake_check.MAX_CHECK_BYTES_16BIT_CPU / 2**20:g} MiB in 16-bit floats on the CPU; or on a device this "
+            "machine lacks), too large to check against the real kernel here: dry-run a "
             "smaller instance of the same model first (ops that passed are remembered for the session)"
         )
 
