@@ -8,7 +8,8 @@ Run it on a machine with network; copy the folder with the repository (USB stick
 --wheelhouse` installs with `pip --no-index --find-links`, so it never reaches for an index. For Linux and Windows
 the CPU build of torch comes from PyTorch's CPU index (about 190 MB for Linux, less for Windows); macOS wheels
 come from PyPI (torch ships no Intel-Mac wheels since 2.3, so only Apple silicon). The rest (JupyterLab, numpy,
-matplotlib, ipywidgets and what they need) is about 60 MB per platform and Python version.
+matplotlib, ipywidgets, lesson 09's transformers and peft, and what they need) is about 120 MB per platform and
+Python version (131 wheels for Linux and Python 3.11, December 2026).
 
 Another platform's set of packages is not this machine's: `pip download --platform` evaluates environment markers
 for the machine that runs it, so a Windows wheelhouse built on Linux would lack colorama (IPython needs it on
