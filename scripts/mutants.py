@@ -403,6 +403,13 @@ MUTANTS = [
         ("tests/test_dryrun_modules.py::test_16bit_calls_on_the_cpu_over_a_mib_are_checked_on_the_small_twin",),
     ),
     Mutant(
+        "fake_check.16bit-cap-on-element-wise-ops-too",
+        "prediction/fake_check.py",
+        'slow = _MATRIX_OPS.match(getattr(call.func, "_opname", "")) and any(',
+        "slow = any(",
+        ("tests/test_hf_fit.py::test_cheapest_fix_hf_ranks_dry_run_candidates",),
+    ),
+    Mutant(
         "fake_world.fsdp-collectives-unpadded",
         "distributed/fake_world.py",
         "total += fsdp_rows(p.shape[0], world_size, 0)[1] * row",

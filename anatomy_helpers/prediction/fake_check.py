@@ -25,7 +25,7 @@ milliseconds per distinct signature (two steps of the default course GPT have ab
 What it cannot see, and the limits this puts on the guarantee:
 
 * a real call is made only when the smallest call of a signature is at most :data:`MAX_CHECK_BYTES`
-  (inputs and outputs; :data:`MAX_CHECK_BYTES_16BIT_CPU` for a 16-bit float call on the CPU); a larger one is
+  (inputs and outputs; :data:`MAX_CHECK_BYTES_16BIT_CPU` for a 16-bit matrix product on the CPU); a larger one is
   refused unless a smaller run with the same signature was checked first (``dry_run_config`` and ``dry_run_hf`` do
   that themselves with a small twin of the configuration);
 * a check at one shape stands for every shape of the signature: a kernel whose output sizes follow another rule
@@ -38,6 +38,7 @@ What it cannot see, and the limits this puts on the guarantee:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +48,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 #: The largest call (bytes of its inputs' storages and its outputs' new ones) run for real to check its fake kernel.
 MAX_CHECK_BYTES = 64 * 2**20
-#: The same for a call with a bfloat16 or float16 tensor on the CPU. A CPU without 16-bit float arithmetic (AVX2, no
-#: AVX-512 BF16 or AMX) runs torch's 16-bit matmuls at 0.2-6 GFLOP/s against about 50 in float32 (measured on a
-#: 2-core AMD EPYC: one 1,024 x 2,048 x 8,192 bfloat16 matmul took 200 s), so a 1B model's calls would take minutes;
-#: its small twin checks the same signatures in milliseconds.
+#: The same for a matrix product (:data:`_MATRIX_OPS`) with a bfloat16 or float16 tensor on the CPU. A CPU without
+#: 16-bit float arithmetic (AVX2, no AVX-512 BF16 or AMX) runs torch's 16-bit matmuls at 0.2-6 GFLOP/s against about
+#: 50 in float32 (measured on a 2-core AMD EPYC: one 1,024 x 2,048 x 8,192 bfloat16 matmul took 200 s), so a 1B
+#: model's calls would take minutes; its small twin checks the same signatures in milliseconds. (Element-wise ops,
+#: an optimizer's over all the parameters included, cost as many operations as bytes: they keep the first limit.)
 MAX_CHECK_BYTES_16BIT_CPU = 2**20
 _16BIT = (torch.bfloat16, torch.float16)
+_MATRIX_OPS = re.compile(r"_*(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|conv|.*attention|.*rnn)")  # op names
 
 # Not kernels: how a constant made by torch.tensor() enters the fake mode. The real run returns the constant
 # itself, the fake run a fake copy of it; both are aliases by the op's schema, so the tracker counts neither.
@@ -304,7 +307,7 @@ def check_calls(calls: dict[tuple, OpCall], max_bytes: int | None = None) -> tup
     ``differences``: signature -> a sentence naming the op, where it ran and how its fake kernel differs from
     the real one (the first such op in the order of the run: the check stops there); ``unchecked``: the
     signatures whose smallest call is over ``max_bytes`` (default :data:`MAX_CHECK_BYTES`; never over
-    :data:`MAX_CHECK_BYTES_16BIT_CPU` for a 16-bit float call on the CPU) or on a device this machine does not have.
+    :data:`MAX_CHECK_BYTES_16BIT_CPU` for a 16-bit matrix product on the CPU) or on a device this machine does not have.
     """
     max_bytes = MAX_CHECK_BYTES if max_bytes is None else max_bytes
     problems: dict[tuple, str] = {}
@@ -315,7 +318,9 @@ def check_calls(calls: dict[tuple, OpCall], max_bytes: int | None = None) -> tup
         if key not in _FAILED:
             metas = [a for a in tree_flatten((call.args, call.kwargs))[0] if isinstance(a, TensorMeta)]
             missing = any(a.device.type == "cuda" for a in metas) and not torch.cuda.is_available()
-            slow = any(a.device.type == "cpu" and a.dtype in _16BIT for a in metas)  # see MAX_CHECK_BYTES_16BIT_CPU
+            slow = _MATRIX_OPS.match(getattr(call.func, "_opname", "")) and any(
+                a.device.type == "cpu" and a.dtype in _16BIT for a in metas
+            )  # see MAX_CHECK_BYTES_16BIT_CPU
             limit = min(max_bytes, MAX_CHECK_BYTES_16BIT_CPU) if slow else max_bytes
             if missing or call.nbytes + _new_bytes(call.outcome) > limit:
                 unchecked.append(key)
