@@ -226,7 +226,8 @@ def test_checks_are_remembered_and_leave_the_rng_alone(nothing_checked, monkeypa
 def test_16bit_calls_on_the_cpu_over_a_mib_are_checked_on_the_small_twin(nothing_checked, monkeypatch):
     """A bfloat16 model whose smallest weight (1,024 x 1,024) is 2 MiB: every signature of its dry run is checked,
     no matrix product for real at a bfloat16 call over MAX_CHECK_BYTES_16BIT_CPU (slow on a CPU without 16-bit
-    arithmetic). (tests/test_hf_fit.py's fused AdamW over a bfloat16 model: an element-wise op over 1 MiB, still run.)"""
+    arithmetic). (tests/test_hf_fit.py's fused AdamW over a bfloat16 model: an element-wise op over 1 MiB, still
+    run.)"""
     seen, ran = [], []
     check_calls, real_call = fake_check.check_calls, fake_check._real_call
     monkeypatch.setattr(dryrun, "check_calls", lambda calls, *a: seen.append(calls) or check_calls(calls, *a))
