@@ -17,8 +17,9 @@ Windows) and a macOS one appnope. So the set is resolved for the target by uv (`
 --python-version ...`, which evaluates the target's markers and checks its wheel tags), and pip then downloads
 exactly those pins (--no-deps) for that target. uv also keeps torch out of that set although lesson 09's peft and
 accelerate require it (an override drops the requirement): torch comes on its own, from the right index, or not at
-all with --no-torch; pip alone would fetch the CUDA build from PyPI on Linux. uv is taken from PATH, or from PyPI
-into a temporary folder (about 18 MB) that goes away afterwards. The script itself needs only the standard library.
+all with --no-torch; pip alone would fetch the CUDA build from PyPI on Linux. uv is taken from PATH (or beside
+this Python), else from PyPI into a temporary folder (about 18 MB) that goes away afterwards. The script itself
+needs only the standard library.
 """
 
 from __future__ import annotations
