@@ -28,10 +28,10 @@ step tracker can count them as activations.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
-from functools import partial
+from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 CHECKPOINT_POLICIES = ("none", "full", "every_k", "selective", "attention", "offload")
@@ -70,12 +70,33 @@ def add_listener(fn: Callable[[torch.Tensor], None]) -> Callable[[], None]:
 
 
 def _save_matmuls(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    if func in SAVED_OPS:
-        if not ctx.is_recompute:
-            out = ctx.op_output
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _AnnounceSavedOutputs(TorchDispatchMode):
+    """Announces the outputs of :data:`SAVED_OPS` with :func:`keep_for_backward` as the forward makes them.
+
+    Entered above the selective checkpoint's own dispatch mode, so it sees each op's output on every torch version:
+    the policy function cannot: torch 2.11 and older call it before the op runs, without ``ctx.op_output``.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
             keep_for_backward(*(out if isinstance(out, (tuple, list)) else (out,)))
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+        return out
+
+
+@contextmanager
+def _saving_and_announcing(saving):
+    with saving, _AnnounceSavedOutputs():  # the announcer second: it sees each op before, its output after, SAC's
+        yield
+
+
+def _selective_contexts():
+    """``create_selective_checkpoint_contexts(_save_matmuls)`` whose forward context also announces what it saves."""
+    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
+    return _saving_and_announcing(forward), recompute
 
 
 def check_policy(policy: str, every: int, n_layer: int) -> None:
@@ -122,7 +143,7 @@ def run_checkpointed(blocks, x: torch.Tensor, policy: str, every: int = 1) -> to
                 x,
                 use_reentrant=False,
                 preserve_rng_state=_random([block]),
-                context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls),
+                context_fn=_selective_contexts,
             )
         return x
     size = 1 if policy == "full" else every

@@ -160,7 +160,22 @@ def test_quiet_profiler_drops_the_chatter_and_keeps_other_lines(capfd):
         os.write(2, b"USDT:2026-12-02 14:41:59 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
         os.write(2, b"a real error\n")
         os.write(2, b"USDT:2026-12-02 14:42:13 1:1 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
-    assert capfd.readouterr().err == "a real error\n"
+        os.write(2, b"ERROR:2026-12-04 16:46:11 1:1 DeviceProperties.cpp:48] gpuGetDeviceCount failed with code 35\n")
+        os.write(2, b"ERROR:2026-12-04 16:46:11 1:1 DeviceProperties.cpp:48] gpuGetDeviceCount failed with code 2\n")
+    assert capfd.readouterr().err == (
+        "a real error\nERROR:2026-12-04 16:46:11 1:1 DeviceProperties.cpp:48] gpuGetDeviceCount failed with code 2\n"
+    )
+
+
+def test_quiet_profiler_hides_the_one_cycle_warning_and_no_other():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with quiet_profiler():  # torch 2.11's words, on every scheduled profile
+            warnings.warn("Warning: Profiler clears events at the end of each cycle.", UserWarning, stacklevel=1)
+            warnings.warn("another warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["another warning"]
 
 
 def test_quiet_profiler_around_a_real_profile(capfd):

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -212,8 +213,10 @@ def profiler_trace(timeline: ProfilerTimeline, spans: Sequence[PhaseSpan], devic
 
 
 # kineto (torch 2.13) writes lines such as
-# "USDT:2026-12-02 14:41:59 15375:15375 SyncActivityProfilerHandler.cpp:52] profiler_start"
-PROFILER_CHATTER = re.compile(rb"^.*\] profiler_(start|stop)\s*$")
+# "USDT:2026-12-02 14:41:59 15375:15375 SyncActivityProfilerHandler.cpp:52] profiler_start"; a CUDA build of torch on a
+# machine without a GPU (Colab's CPU runtime) adds "ERROR:... DeviceProperties.cpp:48] gpuGetDeviceCount failed with
+# code 35" (no driver: nothing to profile on a GPU there, as expected).
+PROFILER_CHATTER = re.compile(rb"^.*\] (profiler_(start|stop)|gpuGetDeviceCount failed with code 35)\s*$")
 
 
 @contextmanager
@@ -222,8 +225,15 @@ def quiet_profiler(chatter: re.Pattern = PROFILER_CHATTER) -> Iterator[None]:
 
     The profiler's C++ side writes them to file descriptor 2 (not to ``sys.stderr``), so this swaps that
     descriptor for a temporary file while the block runs, then writes back every line that does not match
-    ``chatter``: real warnings and errors still show.
+    ``chatter``: real warnings and errors still show. Also hides the warning torch 2.11 gives on every scheduled
+    profile, that a new cycle clears the events of the last one (this course profiles one cycle).
     """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+        yield from _quiet_descriptor(chatter)
+
+
+def _quiet_descriptor(chatter: re.Pattern) -> Iterator[None]:
     try:
         saved = os.dup(2)
     except OSError:  # no descriptor 2 to silence
