@@ -1,6 +1,7 @@
 """CUDA's memory rules applied to CPU dry runs (anatomy_helpers/prediction/cuda_rules.py), tested on CPU: each expected
 figure is counted here by hand from the config, not read from the code under test."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,7 +41,9 @@ def test_cublas_workspaces_one_in_forward_two_from_backward(device):
     cpu = will_it_fit(cfg, B, device=DEVICES[device].total)  # a size alone: CPU kernels' rules
     gpu = will_it_fit(cfg, B, device=device)
     w = 32 * 2**20 if device == "h100" else 8_519_680
-    assert cpu.rules == "CPU kernels" and "cuBLAS workspace" in gpu.rules and "not yet checked" in gpu.rules
+    assert cpu.rules == "CPU kernels" and "cuBLAS workspace" in gpu.rules
+    # an H100 has the H200's compute capability (9.0), on which the rules were checked against a real step
+    assert gpu.rules.endswith("(cuBLASLt)" if device == "h100" else "not yet checked on this GPU")
     assert "rules: CUDA rules from torch source" in gpu.table()
     for c, g in zip(cpu.phases, gpu.phases):
         n = 1 if (c.step, c.phase) == (1, "forward") else 2  # the backward thread's handle adds the second
@@ -122,7 +125,7 @@ def test_a_device_without_capability_has_no_cuda_rules():
 
 
 #: The real-run check's config: big enough that the dropout rule moves the step by about 10 MB (the tolerance is
-#: 2 MiB), small enough for any GPU.
+#: 2 MiB and a block), small enough for any GPU.
 REAL = dict(n_layer=2, d_model=128, n_head=4, seq_len=128, dropout=0.1)
 REAL_BATCH = 16
 
@@ -132,8 +135,12 @@ REAL_BATCH = 16
 def test_cuda_rules_against_a_real_step():
     """On a GPU (scripts/gpu_check.py runs it alone, in a fresh process): a real tracked CUDA step against the
     predictions with CUDA's rules and with the CPU kernels' rules, per phase, the allocator's own
-    ``memory_allocated`` at each phase's peak. Printed for the first run on a GPU; asserted within 2 MiB (two
-    cuBLASLt workspaces of 1 MiB, which no rule counts, and the allocator's 512-byte rounding)."""
+    ``memory_allocated`` at each phase's peak. Printed for the first run on a GPU; asserted, after the allocator's
+    512-byte rounding of each tracked tensor alive then, within 2 MiB and one 512-byte block. Measured on an H200
+    (torch 2.11), the allocator held, beyond the prediction and the rounding, 2 MiB in forward and backward and 1 MiB
+    in the optimizer step, each give or take under 512 bytes (-112 to +508). The MiBs are cuBLASLt workspaces, which
+    no rule counts (a memory snapshot after the steps showed one 1 MiB block, allocated by the first Linear's
+    forward); the bytes are less than one allocator block."""
     import gc
 
     from anatomy_helpers import make_model, make_optimizer, track_steps
@@ -151,14 +158,18 @@ def test_cuda_rules_against_a_real_step():
     rules = will_it_fit(cfg, REAL_BATCH, implementation="foreach", device=dev)
     cpu = will_it_fit(cfg, REAL_BATCH, implementation="foreach", device=dev.total)  # CPU kernels' rules
     print(f"{dev.name}, compute capability {dev.capability}: {rules.rules}")
-    print("step  phase      measured   CUDA rules  (diff)      CPU rules  (diff)")
+    # The allocator rounds each tensor up to 512 bytes; what that adds at a moment, from the tracked tensors.
+    rounding = real.replay_totals(round_to=512) - real.replay_totals()
+    print("step  phase      measured   CUDA rules  (diff)      CPU rules  (diff)  rounding")
     worst = 0
     for p, c in zip(rules.phases, cpu.phases):
         ph = real.phase(p.step, p.phase)
-        measured = int(real.timeline.cuda_allocated[max(ph.start - 1, 0) : ph.end + 1].max())
+        start = max(ph.start - 1, 0)
+        at = start + int(np.argmax(real.timeline.cuda_allocated[start : ph.end + 1]))
+        measured, rounded = int(real.timeline.cuda_allocated[at]), int(rounding[at])
         print(
             f"{p.step:>4}  {p.phase:9s} {measured:>10,} {p.tensors:>12,} {p.tensors - measured:>+9,} "
-            f"{c.tensors:>12,} {c.tensors - measured:>+9,}"
+            f"{c.tensors:>12,} {c.tensors - measured:>+9,} {rounded:>9,}"
         )
-        worst = max(worst, abs(p.tensors - measured))
-    assert worst <= 2 * 2**20
+        worst = max(worst, abs(p.tensors + rounded - measured))
+    assert worst <= 2 * 2**20 + 512

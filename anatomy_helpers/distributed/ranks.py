@@ -271,7 +271,7 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
     ``gpt``: a model already built (a dry run's fake one, fake_world.py) instead of ``make_model``'s; DDP then skips
     its start-up check and broadcast of the weights (``init_sync=False``: they read values a fake tensor lacks; what
     they allocate is freed before the first step). ``mesh``: FSDP2's device mesh (a dry run makes it outside the
-    fake mode); None: FSDP2's default, all ranks."""
+    fake mode); None: one dimension of all ranks, on this rank's device."""
     from ..train import make_model, make_optimizer
 
     fake = gpt is not None
@@ -300,12 +300,13 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
 
         parallelize_2d(gpt, mesh if mesh is not None else make_mesh(device.type, dist.get_world_size(), job.tp))
         return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
-    if job.strategy in TP_STRATEGIES:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
+    # On the rank's device: fully_shard's default mesh is on the GPU, and sets GPU LOCAL_RANK even for a gloo rank.
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
+    if job.strategy in TP_STRATEGIES:
         from .tp_plan import parallelize_gpt
 
-        mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
         parallelize_gpt(gpt, mesh, sequence_parallel=job.strategy == "tp_sp")
         return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
     from torch.distributed.fsdp import fully_shard

@@ -16,7 +16,8 @@ from torch's source (the file and function are in its docstring; torch 2.13-era 
 
 What a rule cannot state exactly is refused with :class:`CudaRuleError`, not guessed. The corrections are bytes
 per storage over that storage's lifetime (or from a moment on), so every phase peak is recomputed on the corrected
-timeline. None of this is checked on a GPU here: ``scripts/gpu_check.py`` compares it with a real run.
+timeline. ``scripts/gpu_check.py`` compares it with a real run on a GPU; where that was done, :data:`CHECKED_ON` says
+what it showed.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -37,7 +38,13 @@ from ..units import KiB
 from .devices import Device
 
 CPU_RULES = "CPU kernels"
-CUDA_RULES = "CUDA rules from torch source ({}), not yet checked on this GPU"
+CUDA_RULES = "CUDA rules from torch source ({}), {}"
+NOT_CHECKED = "not yet checked on this GPU"
+#: What a real step showed, per compute capability the rules were checked on (tests/test_cuda_rules.py's real-step
+#: test, which scripts/gpu_check.py runs): the prediction against ``torch.cuda.memory_allocated`` at each phase peak.
+CHECKED_ON = {
+    (9, 0): "checked on an H200 (torch 2.11): 1 to 2 MiB under memory_allocated at each phase peak (cuBLASLt)"
+}
 
 #: cuBLAS workspace per (handle, stream): ``parseChosenWorkspaceSize`` in aten/src/ATen/cuda/CublasHandlePool.cpp
 #: ("`:4096:2:16:8` default, 32MiB for Hopper": 4096 KiB x 2 + 16 KiB x 8, or 4096 KiB x 8 when major == 9 and
@@ -256,15 +263,19 @@ def cuda_corrections(trace: Trace, cfg: ModelConfig, autocast: str | None, devic
     ]
 
 
-def rules_text(corrections: list[Correction] | None, sdpa: str | None = None) -> str:
-    """The rules line of a prediction: "CPU kernels" (None) or the CUDA rules that changed something, and the SDPA
-    backend CUDA would run (``sdpa``, from :func:`sdpa_backend`) where the model uses SDPA."""
+def rules_text(
+    corrections: list[Correction] | None, sdpa: str | None = None, capability: tuple[int, int] | None = None
+) -> str:
+    """The rules line of a prediction: "CPU kernels" (None) or the CUDA rules that changed something, the SDPA
+    backend CUDA would run (``sdpa``, from :func:`sdpa_backend`) where the model uses SDPA, and whether the rules were
+    checked on a GPU of this ``capability`` (:data:`CHECKED_ON`)."""
     if corrections is None:
         return CPU_RULES
     used = list(dict.fromkeys(c.rule for c in corrections if c.nbytes))
     if sdpa is not None:
         used.append(f"SDPA's {sdpa} backend")
-    return CUDA_RULES.format(", ".join(used) or "none changed this step")
+    checked = CHECKED_ON.get(tuple(capability), NOT_CHECKED) if capability is not None else NOT_CHECKED
+    return CUDA_RULES.format(", ".join(used) or "none changed this step", checked)
 
 
 def correction_series(trace: Trace, corrections: list[Correction]) -> np.ndarray:
@@ -287,6 +298,7 @@ def corrected_peak(trace: Trace, series: np.ndarray, step: int, phase: str) -> t
 
 
 __all__ = [
+    "CHECKED_ON",
     "CUBLAS_WORKSPACE",
     "CUBLAS_WORKSPACE_SM90",
     "Correction",

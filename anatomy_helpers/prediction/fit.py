@@ -386,5 +386,5 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     needs = phase_needs(trace, extra, rep, series)
     return FitReport(
         label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note(),
-        rules_text(corrections, sdpa),
+        rules_text(corrections, sdpa, dev.capability),
     )  # fmt: skip

@@ -113,8 +113,8 @@ def _graph_saved(root) -> dict[tuple, list[tuple[int, str, str]]]:
 def saved_by_op(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None = None) -> list[OpSaved]:
     """Run one forward of ``model`` and name the autograd op behind every tensor it saves.
 
-    Returns one :class:`OpSaved` per saved tensor, in the order autograd saved them (the order of
-    ``trace.saved`` for the same forward).
+    Returns one :class:`OpSaved` per saved tensor on ``idx``'s device, in the order autograd saved them (the order
+    of ``trace.saved`` for the same forward).
 
     How: our own ``saved_tensors_hooks`` record what is saved and by which module; then a walk of
     the autograd graph from the loss (``grad_fn``, ``next_functions``, ``_saved_*`` attributes)
@@ -136,7 +136,10 @@ def saved_by_op(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | Non
     packed: list[tuple[str, torch.Tensor]] = []
 
     def pack(t):
-        packed.append((stack[-1], t))
+        # The device's memory only, as the step tracker counts it: on a GPU, fused attention also saves its RNG seed
+        # and offset, which are CPU scalars.
+        if t.device == idx.device:
+            packed.append((stack[-1], t))
         return t
 
     try:
@@ -153,8 +156,11 @@ def saved_by_op(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | Non
         key = _view_key(t)
         ops = found.get(key)
         seq, op, attr = ops.pop(0) if ops else (-1, "?", "?")
-        st = storages.setdefault((t.device, t.untyped_storage().data_ptr()), len(storages))
-        rows.append(OpSaved(module, op, attr, seq, tuple(t.shape), t.dtype, t.nbytes, st, t.untyped_storage().nbytes()))
+        storage = t.untyped_storage()
+        # By address; an empty storage has none of its own (torch 2.11's checkpoint saves a 0-element tensor per call).
+        where = storage.data_ptr() if storage.nbytes() else ("empty", storage._cdata)
+        st = storages.setdefault((t.device, where), len(storages))
+        rows.append(OpSaved(module, op, attr, seq, tuple(t.shape), t.dtype, t.nbytes, st, storage.nbytes()))
     return rows
 
 
