@@ -237,8 +237,15 @@ MUTANTS = [
     Mutant(
         "checkpoint.selective-saves-nothing",
         "checkpointing.py",
-        "        return CheckpointPolicy.MUST_SAVE",
-        "        return CheckpointPolicy.PREFER_RECOMPUTE",
+        "    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else",
+        "    return CheckpointPolicy.PREFER_RECOMPUTE if func in SAVED_OPS else",
+        T_CKPT,
+    ),
+    Mutant(
+        "checkpoint.selective-announces-nothing",
+        "checkpointing.py",
+        "        if func in SAVED_OPS:",
+        "        if func is None:",
         T_CKPT,
     ),
     Mutant(

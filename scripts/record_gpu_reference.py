@@ -1,6 +1,6 @@
 """Record a real GPU memory snapshot of the course's first training steps, for learners without a GPU.
 
-    python scripts/record_gpu_reference.py                  # 3 steps, batch 8 -> docs/gpu_reference/first_steps.pickle
+    python scripts/record_gpu_reference.py                  # 3 steps, batch 8 -> anatomy_helpers/lessons/gpu_reference/
     python scripts/record_gpu_reference.py --steps 2 --max-frames 8
 
 Needs a CUDA GPU and refuses without one. It builds a fresh default model and AdamW (the model, seed and batches of

@@ -53,6 +53,25 @@ FOUR = {**SMALL, "n_layer": 4}  # four blocks, so that every 2 blocks is not the
 CHECKPOINTING = [p for p in lineup() if p.checkpoint not in ("none", "offload")]
 
 
+def test_selective_announces_each_saved_matmul_output_and_each_block_input():
+    """The tracker counts what "selective" keeps from these announcements (checkpointing.keep_for_backward)."""
+    from anatomy_helpers.checkpointing import add_listener
+    from anatomy_helpers.data import get_batch
+
+    model = make_model(**SMALL, checkpoint="selective")  # manual attention
+    announced: list[torch.Tensor] = []
+    undo = add_listener(announced.append)
+    try:
+        model(*get_batch(B, SMALL["seq_len"]))
+    finally:
+        undo()
+    b, s, h, a = B, SMALL["seq_len"], SMALL["d_model"], SMALL["n_head"]
+    # per block: its input (b, s, h); the Linear layers' outputs, flattened to (b*s, out) by addmm: qkv 3h, the
+    # attention's out-projection h, the MLP's fc 4h and proj h; the two batched matmuls Q K^T and att @ v
+    per_block = [(b, s, h), (b * s, 3 * h), (b * a, s, s), (b * a, s, h // a), (b * s, h), (b * s, 4 * h), (b * s, h)]
+    assert sorted(tuple(t.shape) for t in announced) == sorted(per_block * SMALL["n_layer"])
+
+
 # ---- the policies: bad values ----------------------------------------------------------------------------
 
 

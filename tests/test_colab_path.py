@@ -132,6 +132,6 @@ def test_data_ships_with_the_package(colab):
     )
     lines = env.run(["-c", code], cwd=tmp).stdout.split()
     assert int(lines[0]) > 10_000
-    committed = (ROOT / "docs" / "gpu_reference" / "first_steps.pickle").exists()
+    committed = (ROOT / "anatomy_helpers" / "lessons" / "gpu_reference" / "first_steps.pickle").exists()
     # once a GPU reference is recorded, Colab learners must see it too (ship it as package data)
     assert lines[1] == str(committed), "the GPU reference snapshot is not package data"

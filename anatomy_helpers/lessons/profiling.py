@@ -41,8 +41,8 @@ from ..tracking.profiler import (
 from ..tracking.trace import Trace
 from ..units import MiB
 
-# Where scripts/record_gpu_reference.py writes its snapshot (in a clone of the repository).
-GPU_REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "gpu_reference" / "first_steps.pickle"
+# Where scripts/record_gpu_reference.py writes its snapshot: package data, so that Colab's install has it too.
+GPU_REFERENCE = Path(__file__).resolve().parent / "gpu_reference" / "first_steps.pickle"
 
 # The course's categories that hold what the profiler calls TEMPORARY, AUTOGRAD_DETAIL or unknown.
 SCRATCH_CATEGORIES = tuple(c for c in ("temporaries", "kernel_scratch") if c in CATEGORIES)
@@ -439,8 +439,7 @@ def memory_viz_html(snapshot: dict, label: str, height: int = 460):
 
 def load_gpu_reference(path: Path = GPU_REFERENCE) -> tuple[dict, dict] | None:
     """(snapshot, what was recorded) of the real GPU snapshot ``scripts/record_gpu_reference.py`` wrote: the
-    pickle and the JSON beside it. None when none is committed (or the package is installed without the
-    repository)."""
+    pickle and the JSON beside it (package data). None when none is committed."""
     if not path.exists():
         return None
     with open(path, "rb") as f:
