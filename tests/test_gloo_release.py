@@ -12,6 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from anatomy_helpers.distributed.gloo_release import blocking, run_blocking
 from anatomy_helpers.distributed.world import free_port
 
+# FSDP2's two collectives under their torch 2.13 names; torch 2.11 (and older) names them *_into_tensor / *_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @contextlib.contextmanager
 def gloo_of_one():
@@ -68,9 +72,9 @@ def test_the_caller_gets_its_own_tensors_and_a_completed_work_with_gloo_holding_
         after = []
         with mode:
             for _ in range(300):  # gloo's worker thread lets go a moment after completing: give the race chances
-                dist.all_gather_single(y, x)  # FSDP2's two collectives
+                all_gather_single(y, x)  # FSDP2's two collectives
                 after.append(holders(x, y))
-                dist.reduce_scatter_single(x, y)
+                reduce_scatter_single(x, y)
                 after.append(holders(x, y))
             dist.all_reduce(x)
             dist.barrier()
@@ -91,7 +95,7 @@ def test_the_caller_gets_its_own_tensors_and_a_completed_work_with_gloo_holding_
 
 def test_an_error_in_the_collective_reaches_the_caller():
     with gloo_of_one(), Blocking(), pytest.raises(RuntimeError):
-        dist.all_gather_single(torch.empty(3), torch.ones(2))  # sizes that do not match
+        all_gather_single(torch.empty(3), torch.ones(2))  # sizes that do not match
 
 
 def test_run_blocking_waits_for_a_worker_thread_that_lets_go_late():
