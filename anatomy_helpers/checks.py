@@ -68,3 +68,18 @@ def optional_callable(name: str, value) -> Callable | None:
     if value is not None and not callable(value):
         raise ValueError(f"{name} must be a function (or None), got {type(value).__name__} {value!r}")
     return value
+
+
+def torch_at_least(minimum: tuple[int, int], what: str, version: str | None = None) -> None:
+    """RuntimeError unless the installed torch (or ``version``, e.g. "2.10.0+cu128") is at least ``minimum``: names
+    ``what`` needs it, and how to upgrade. The package itself asks only for torch 2.6 (Colab keeps its own torch)."""
+    import torch
+
+    version = torch.__version__ if version is None else version
+    have = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if have < tuple(minimum):
+        need = ".".join(map(str, minimum))
+        raise RuntimeError(
+            f"{what} needs torch {need} or newer; this is torch {version}. Upgrade it (pip install -U 'torch>={need}'; "
+            "on Colab, then restart the session), or use the notebook's stored outputs."
+        )

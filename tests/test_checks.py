@@ -4,7 +4,15 @@ import math
 
 import pytest
 
-from anatomy_helpers.checks import int_in, one_of, optional_callable, positive_int, positive_number, whole_bytes
+from anatomy_helpers.checks import (
+    int_in,
+    one_of,
+    optional_callable,
+    positive_int,
+    positive_number,
+    torch_at_least,
+    whole_bytes,
+)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.0, 2.5, "2", True, None, math.nan])
@@ -50,3 +58,13 @@ def test_int_in_one_of_and_callables():
     assert optional_callable("after_step", None) is None and optional_callable("after_step", print) is print
     with pytest.raises(ValueError, match=r"after_step must be a function \(or None\), got str 'x'"):
         optional_callable("after_step", "x")
+
+
+def test_torch_at_least_reads_major_and_minor_and_says_how_to_upgrade():
+    torch_at_least((2, 11), "x", version="2.11.0+cu130")
+    torch_at_least((2, 9), "x", version="2.13.0")  # 13 > 9: compared as numbers, not as text
+    old = r"a dry run of ranks needs torch 2\.11 or newer; this is torch 2\.10\.0\+cu128"
+    with pytest.raises(RuntimeError, match=old):
+        torch_at_least((2, 11), "a dry run of ranks", version="2.10.0+cu128")
+    with pytest.raises(RuntimeError, match=r"pip install -U 'torch>=2\.9'"):
+        torch_at_least((2, 9), "real ranks", version="2.6.0")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..checks import torch_at_least
 from ..interrupts import DeferredInterrupt
 from ..model import GPT, ModelConfig
 from ..prediction.dryrun import build_fake_model, course_batch
@@ -104,6 +105,9 @@ def _check_free() -> None:
 def fake_process_group(world_size: int, rank: int = 0):
     """torch's fake process group for ``rank`` of ``world_size``, destroyed on the way out whatever happens."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # Checked: 2.11 runs every dry run of ranks; 2.9 and 2.10 have no fake kernel for c10d's barrier and scatter.
+    torch_at_least((2, 11), "a dry run of ranks (fake process group and fake tensors)")
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:

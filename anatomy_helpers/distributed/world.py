@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from ..checks import positive_number
+from ..checks import positive_number, torch_at_least
 from ..prediction.formulas import zero_model_states
 from .ranks import RankJob, RankResult
 
@@ -123,6 +123,7 @@ def _check_args(world_size, port, backend, timeout_s) -> None:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     positive_number("timeout_s", timeout_s)  # seconds
+    torch_at_least((2, 9), "a world of real ranks")  # checked: 2.9 runs them; 2.6's DDP has no init_sync
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
