@@ -76,8 +76,8 @@ def _save_matmuls(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 class _AnnounceSavedOutputs(TorchDispatchMode):
     """Announces the outputs of :data:`SAVED_OPS` with :func:`keep_for_backward` as the forward makes them.
 
-    Entered above the selective checkpoint's own dispatch mode, so it sees each op's output on every torch version:
-    the policy function cannot: torch 2.11 and older call it before the op runs, without ``ctx.op_output``.
+    Entered above the selective checkpoint's own dispatch mode, so it sees each op's output on every torch version.
+    The policy function cannot: torch 2.11 and older call it before the op runs, without ``ctx.op_output``.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

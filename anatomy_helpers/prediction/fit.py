@@ -11,8 +11,8 @@ more than the tensors need: we replay the dry run's allocation record through th
 The dry run follows the CPU kernels' rules (what autograd saves, autocast's op lists). For a GPU with a known
 compute capability the phase needs are corrected by CUDA's rules from torch's source
 (:mod:`anatomy_helpers.prediction.cuda_rules`: dropout masks, cuBLAS workspaces, autocast's fp32 softmax, SDPA's
-backend), not yet checked on that GPU; a device given only by its size keeps the CPU kernels' rules. Each report says
-which.
+backend), checked against a real step only where ``cuda_rules.CHECKED_ON`` says so (an H200 so far); a device given
+only by its size keeps the CPU kernels' rules. Each report says which.
 
 Bytes everywhere unless a name says otherwise.
 """
