@@ -454,8 +454,8 @@ def test_cuda_peaks_beside_the_tracker():
     from anatomy_helpers.lessons.checkpointing import cuda_peaks, format_cuda_peaks
 
     # A batch whose saved activations outweigh what recomputation adds beside the tensors on a GPU: at batch 4, "full"
-    # saved 0.36 MB of tensors, but beside them the allocator held 1.02 MiB more than under "none" (about a cuBLASLt
-    # workspace's 1 MiB; H200, torch 2.11), so its peak came out above "none"'s.
+    # saved 0.36 MB of tensors, but the allocator held 1.02 MiB beside its tensors against 0.01 MiB under "none" (1.00
+    # MiB more, a cuBLASLt workspace's size; H200, torch 2.11), so its peak came out above "none"'s.
     rows = cuda_peaks([Policy("none"), Policy("full"), Policy("offload")], batch_size=8 * B, **SMALL)
     print(format_cuda_peaks(rows))
     for r in rows:
