@@ -15,7 +15,15 @@ from pathlib import Path
 import torch
 from matplotlib.backend_bases import FigureCanvasBase
 
-from .cli_common import add_fit_options, device_of, fixes_answer, positive_int_arg, report_answer, seed_arg
+from .cli_common import (
+    add_fit_options,
+    device_of,
+    fields_given,
+    fixes_answer,
+    positive_int_arg,
+    report_answer,
+    seed_arg,
+)
 from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
 from .plots import plot_timeline
 from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
@@ -40,15 +48,24 @@ def _add_step_options(p: argparse.ArgumentParser, layers_help: str = "transforme
     """The options both commands share: the model's sizes, its attention, dtype and dropout, the batch and the
     optimizer (defaults: ModelConfig's)."""
     d = ModelConfig()
-    p.add_argument("--layers", type=positive_int_arg, default=d.n_layer, help=f"{layers_help} (default: {d.n_layer})")
+    p.add_argument(
+        "--layers", dest="n_layer", metavar="LAYERS", type=positive_int_arg, default=d.n_layer,
+        help=f"{layers_help} (default: {d.n_layer})",
+    )  # fmt: skip
     p.add_argument("--d-model", type=positive_int_arg, default=d.d_model, help=f"hidden size (default: {d.d_model})")
-    p.add_argument("--heads", type=positive_int_arg, default=d.n_head, help=f"attention heads (default: {d.n_head})")
+    p.add_argument(
+        "--heads", dest="n_head", metavar="HEADS", type=positive_int_arg, default=d.n_head,
+        help=f"attention heads (default: {d.n_head})",
+    )  # fmt: skip
     p.add_argument(
         "--seq-len", type=positive_int_arg, default=d.seq_len, help=f"sequence length (default: {d.seq_len})"
     )
     p.add_argument("--batch-size", type=positive_int_arg, default=8, help="sequences per optimizer step (default: 8)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
-    p.add_argument("--attn", choices=ATTENTION_IMPLS, default=d.attn_impl, help=f"attention (default: {d.attn_impl})")
+    p.add_argument(
+        "--attn", dest="attn_impl", choices=ATTENTION_IMPLS, default=d.attn_impl,
+        help=f"attention (default: {d.attn_impl})",
+    )  # fmt: skip
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"model dtype (default: {d.dtype})")
     p.add_argument("--dropout", type=float, default=d.dropout, help=f"dropout probability (default: {d.dropout})")
 
@@ -82,15 +99,24 @@ def build_predict_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block", choices=("gpt2", "llama"), default="gpt2", help="block (default: gpt2)")
     _add_step_options(p, f"transformer blocks, at most {MAX_LAYERS}")
-    p.add_argument("--kv-heads", type=positive_int_arg, default=None, help="llama: key/value heads (default: heads)")
+    p.add_argument(
+        "--kv-heads", dest="n_kv_head", metavar="KV_HEADS", type=positive_int_arg, default=None,
+        help="llama: key/value heads (default: heads)",
+    )  # fmt: skip
     p.add_argument(
         "--mlp-ratio",
         type=positive_int_arg,
         default=d.mlp_ratio,
         help=f"MLP width / hidden size (default: {d.mlp_ratio})",
     )
-    p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
-    p.add_argument("--vocab", type=positive_int_arg, default=d.vocab_size, help=f"vocabulary (default: {d.vocab_size})")
+    p.add_argument(
+        "--untied", dest="tie_embeddings", action="store_false",
+        help="an LM head of its own (default: tied to the embedding)",
+    )  # fmt: skip
+    p.add_argument(
+        "--vocab", dest="vocab_size", metavar="VOCAB", type=positive_int_arg, default=d.vocab_size,
+        help=f"vocabulary (default: {d.vocab_size})",
+    )  # fmt: skip
     p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default="none", help="(default: none)")
     p.add_argument(
         "--checkpoint-every", type=positive_int_arg, default=None, help="with --checkpoint every_k: blocks per "
@@ -104,22 +130,8 @@ def _predict_config(args) -> ModelConfig:
     """The ModelConfig the options describe; ValueError (ModelConfig's own) for a bad combination."""
     if args.checkpoint_every is not None and args.checkpoint != "every_k":
         raise ValueError("--checkpoint-every needs --checkpoint every_k")
-    return ModelConfig(
-        block=args.block,
-        n_layer=args.layers,
-        d_model=args.d_model,
-        n_head=args.heads,
-        n_kv_head=args.kv_heads,
-        mlp_ratio=args.mlp_ratio,
-        tie_embeddings=not args.untied,
-        dropout=args.dropout,
-        seq_len=args.seq_len,
-        vocab_size=args.vocab,
-        attn_impl=args.attn,
-        dtype=args.dtype,
-        checkpoint=args.checkpoint,
-        checkpoint_every=1 if args.checkpoint_every is None else args.checkpoint_every,
-    )
+    fields = fields_given(args, ModelConfig)
+    return ModelConfig(**fields | dict(checkpoint_every=fields["checkpoint_every"] or 1))
 
 
 def predict_main(argv: list[str]) -> int:
@@ -162,15 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_out_path(args.out)  # before training, not after it
         device = pick_device(args.device)
-        config = dict(
-            n_layer=args.layers,
-            d_model=args.d_model,
-            n_head=args.heads,
-            seq_len=args.seq_len,
-            attn_impl=args.attn,
-            dtype=args.dtype,
-            dropout=args.dropout,
-        )
+        config = fields_given(args, ModelConfig)
         ModelConfig(**config)  # check the combination before building anything
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = make_optimizer(model, args.optimizer)
     print(
         f"{model.num_params():,} parameters, {args.optimizer}, batch {args.batch_size} x {args.seq_len} tokens, "
-        f"{args.attn} attention, {args.dtype}, on {device}",
+        f"{args.attn_impl} attention, {args.dtype}, on {device}",
         flush=True,
     )
     trace = track_steps(model, optimizer, args.steps, args.batch_size, seed=args.seed, progress=True)

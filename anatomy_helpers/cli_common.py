@@ -5,6 +5,7 @@ implementation, autocast, the GPU, --json, --fix), and the JSON form of a fit re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from .checks import int_in, positive_int, positive_number
 
@@ -29,6 +30,13 @@ def _argument(parse, check, what: str):
 positive_int_arg = _argument(int, lambda v: positive_int("the value", v), "a whole number")
 seed_arg = _argument(int, lambda v: int_in("the value", v, 0, 2**32, "2**32"), "a whole number")
 positive_gib_arg = _argument(float, lambda v: positive_number("the value", v), "a number of GiB")
+
+
+def fields_given(args: argparse.Namespace, config_class) -> dict:
+    """The parsed options that set a field of the dataclass ``config_class``: each such option's ``dest`` is the
+    field's name (``--layers`` sets ``n_layer``), so a config is built from its options without a list of them."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return {name: value for name, value in vars(args).items() if name in names}
 
 
 def report_answer(report, device) -> dict:

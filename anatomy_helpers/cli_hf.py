@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_common import add_fit_options, device_of, fixes_answer, positive_int_arg, report_answer
+from .cli_common import add_fit_options, device_of, fields_given, fixes_answer, positive_int_arg, report_answer
 
 
 def build_hf_predict_parser() -> argparse.ArgumentParser:
@@ -28,11 +28,15 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=positive_int_arg, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--batch-size", type=positive_int_arg, default=1, help="sequences per step and rank (default: 1)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default: bfloat16)")
-    p.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default="sdpa", help="attention (default: sdpa)")
+    p.add_argument(
+        "--attn", dest="attn_implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
+        help="attention (default: sdpa)",
+    )  # fmt: skip
     experts = ("grouped_mm", "batched_mm", "eager")
     p.add_argument(
-        "--experts", choices=experts, help="mixture of experts: transformers' implementation (default: grouped_mm)"
-    )
+        "--experts", dest="experts_implementation", choices=experts,
+        help="mixture of experts: transformers' implementation (default: grouped_mm)",
+    )  # fmt: skip
     p.add_argument("--gradient-checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
     p.add_argument("--lora-rank", type=positive_int_arg, default=None, help="train LoRA adapters of this rank (peft)")
@@ -66,27 +70,13 @@ def _fine_tune(args):
         raise ValueError(f"--zero {args.zero} shards across ranks: it needs --world-size > 1")
     foreach, fused = IMPLEMENTATION_FLAGS[args.impl]
     method = "lora" if lora else "frozen" if args.freeze else "full"
-    extra = {}
+    fields = {k: v for k, v in fields_given(args, FineTune).items() if v is not None}  # None: FineTune's default
+    fields |= dict(foreach=foreach, fused=fused, method=method, freeze=tuple(args.freeze or ()))
     if lora:
-        extra = dict(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank)
+        fields["lora_alpha"] = args.lora_alpha or 2 * args.lora_rank
         if args.lora_targets:
-            extra["lora_targets"] = tuple(args.lora_targets)
-    return FineTune(
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        micro_batches=args.micro_batches,
-        dtype=args.dtype,
-        autocast=args.autocast,
-        attn_implementation=args.attn,
-        gradient_checkpointing=args.gradient_checkpointing,
-        optimizer=args.optimizer,
-        foreach=foreach,
-        fused=fused,
-        method=method,
-        freeze=tuple(args.freeze or ()),
-        experts_implementation=args.experts,
-        **extra,
-    )
+            fields["lora_targets"] = tuple(args.lora_targets)
+    return FineTune(**fields)
 
 
 def hf_predict_main(argv: list[str]) -> int:
