@@ -190,23 +190,18 @@ def step_time(
     flops: float,
     peak_flops: float,
     utilisation: float = 0.4,
-    link: Link = LINKS["ib_ndr"],
-    jitter: Sequence[float] = (1.0,),
-    tp: int = 1,
-    tp_link: Link = LINKS["nvlink4"],
+    **network,
 ) -> StepTime:
     """Model one step of a rank whose trace issued ``collectives`` (one tracked step), on ``n`` ranks.
 
     ``flops``: one rank's forward + backward (backward is two thirds of it, as for matrix multiplications);
-    ``peak_flops`` per second at ``utilisation``; ``jitter``: measured step times relative to their median;
-    ``tp``, ``tp_link``: the TP degree of a 2-D mesh and its groups' link (:func:`price_step`).
+    ``peak_flops`` per second at ``utilisation``; ``network``: :func:`price_step`'s ``link``, ``jitter`` (measured
+    step times relative to their median), ``tp`` and ``tp_link`` (the TP degree of a 2-D mesh and its groups' link).
     """
     if not 0 < utilisation <= 1:
         raise ValueError(f"utilisation must be in (0, 1], got {utilisation!r}")
     compute = flops / (peak_flops * utilisation)
-    return price_step(
-        collectives, n, forward=compute / 3, backward=2 * compute / 3, link=link, jitter=jitter, tp=tp, tp_link=tp_link
-    )
+    return price_step(collectives, n, forward=compute / 3, backward=2 * compute / 3, **network)
 
 
 def price_step(
@@ -412,16 +407,14 @@ def scaling_curve(
     rows_per_rank: int = 1,
     peak_flops: float,
     utilisation: float = 0.4,
-    link: Link = LINKS["ib_ndr"],
-    jitter: Sequence[float] = (1.0,),
-    tp: int = 1,
-    tp_link: Link = LINKS["nvlink4"],
+    **network,
 ) -> list[StepTime]:
     """:func:`step_time` at each world size, the collectives' bytes from a dry-run rank 0 of that world (DDP's and
     ZeRO-1's gradients in the buckets a real DDP rebuilds, :func:`ddp_bucket_bytes`) and the FLOPs from
     ``FlopCounterMode`` on one rank's rows (weak scaling: the same global batch per rank, ``rows_per_rank`` x N, at
-    every N). "tp_fsdp": ``tp``-way TP inside each node, a node training ``tp x rows_per_rank`` rows, each rank
-    computing its share of them (:func:`tp_rank_flops`); TP's collectives priced on ``tp_link``.
+    every N); ``network``: :func:`price_step`'s link, jitter, tp and tp_link. "tp_fsdp": ``tp``-way TP inside each
+    node, a node training ``tp x rows_per_rank`` rows, each rank computing its share of them
+    (:func:`tp_rank_flops`); TP's collectives priced on ``tp_link``.
 
     "fsdp2_zero3": the collectives from :func:`~anatomy_helpers.distributed.fake_world.fsdp_collectives_rule` at
     every N instead: an FSDP2 dry run grows with N (2 s at 128 ranks, 30-60 s at 4,096 on two cores), the rule
@@ -430,6 +423,7 @@ def scaling_curve(
     from .fake_world import dry_run_rank, fsdp_collectives_rule
     from .ranks import MESH_STRATEGIES, RankJob
 
+    tp = network.get("tp", 1)
     if tp != 1 and strategy not in MESH_STRATEGIES:
         raise ValueError(
             f"tp is the TP degree of a 2-D mesh ({tuple(MESH_STRATEGIES)}), got tp={tp!r} for {strategy!r}"
@@ -445,17 +439,5 @@ def scaling_curve(
             job = RankJob(strategy, steps=1, warmup=0, batch_size=rows_per_rank * n, model=dict(model), tp=tp)
             traced = dry_run_rank(job, n, 0).result.collectives
             collectives = traced if buckets is None else with_buckets(traced, buckets)
-        out.append(
-            step_time(
-                collectives,
-                n,
-                flops=flops,
-                peak_flops=peak_flops,
-                utilisation=utilisation,
-                link=link,
-                jitter=jitter,
-                tp=tp,
-                tp_link=tp_link,
-            )
-        )
+        out.append(step_time(collectives, n, flops=flops, peak_flops=peak_flops, utilisation=utilisation, **network))
     return out
