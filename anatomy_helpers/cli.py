@@ -15,15 +15,7 @@ from pathlib import Path
 import torch
 from matplotlib.backend_bases import FigureCanvasBase
 
-from .cli_common import (
-    add_fit_options,
-    device_of,
-    fields_given,
-    fixes_answer,
-    positive_int_arg,
-    report_answer,
-    seed_arg,
-)
+from .cli_common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit, seed_arg
 from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
 from .plots import plot_timeline
 from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
@@ -135,10 +127,8 @@ def _predict_config(args) -> ModelConfig:
 
 
 def predict_main(argv: list[str]) -> int:
-    import json
-
     from .prediction.fit import FitRequest, will_it_fit
-    from .prediction.fixes import cheapest_fix, fixes_table
+    from .prediction.fixes import cheapest_fix
 
     if any(a == "--hf" or a.startswith("--hf=") for a in argv):  # a Hugging Face model: cli_hf.py
         from .cli_hf import hf_predict_main
@@ -155,13 +145,7 @@ def predict_main(argv: list[str]) -> int:
         parser.error(str(e))
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
     fixes = cheapest_fix(cfg, args.batch_size, micro_batches=args.micro_batches, **kw) if args.fix else []
-    if args.json:
-        answer = report_answer(report, device) | {"fixes": fixes_answer(fixes)}
-        print(json.dumps(answer, indent=2))
-    else:
-        print(report.table())
-        if fixes:
-            print(fixes_table(fixes))
+    print_fit(report, fixes, device, as_json=args.json)
     return 0
 
 

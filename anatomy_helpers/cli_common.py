@@ -72,6 +72,21 @@ def fixes_answer(fixes) -> list[dict]:
     ]
 
 
+def print_fit(report, fixes, device, *, as_json: bool, **extra) -> None:
+    """Print a fit report and its ranked fixes: as tables, or (``as_json``) as one JSON object with ``extra``'s keys
+    added."""
+    if as_json:
+        import json
+
+        print(json.dumps(report_answer(report, device) | extra | {"fixes": fixes_answer(fixes)}, indent=2))
+        return
+    from .prediction.fixes import fixes_table
+
+    print(report.table())
+    if fixes:
+        print(fixes_table(fixes))
+
+
 def add_fit_options(p: argparse.ArgumentParser, *, gpu_default: str) -> None:
     """The options both ``predict`` commands take: gradient accumulation, the optimizer's implementation, autocast,
     the device (a named GPU or a size in GiB), ``--json`` and ``--fix``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_common import add_fit_options, device_of, fields_given, fixes_answer, positive_int_arg, report_answer
+from .cli_common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit
 
 
 def build_hf_predict_parser() -> argparse.ArgumentParser:
@@ -80,11 +80,8 @@ def _fine_tune(args):
 
 
 def hf_predict_main(argv: list[str]) -> int:
-    import json
-
     from .prediction.dryrun import DryRunError
     from .prediction.fit import usable_device
-    from .prediction.fixes import fixes_table
     from .prediction.hf import hf_config
     from .prediction.hf_fit import will_it_fit_hf
     from .prediction.hf_fixes import cheapest_fix_hf
@@ -107,16 +104,5 @@ def hf_predict_main(argv: list[str]) -> int:
     except (ValueError, ImportError) as e:  # e.g. a --freeze prefix or a LoRA target the model does not have
         parser.error(str(e))
     fixes = cheapest_fix_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero) if args.fix else []
-    if args.json:
-        answer = report_answer(report, device) | {
-            "world_size": args.world_size,
-            "zero": args.zero,
-            "note": report.note,
-            "fixes": fixes_answer(fixes),
-        }
-        print(json.dumps(answer, indent=2))
-    else:
-        print(report.table())
-        if fixes:
-            print(fixes_table(fixes))
+    print_fit(report, fixes, device, as_json=args.json, world_size=args.world_size, zero=args.zero, note=report.note)
     return 0
