@@ -9,7 +9,7 @@ records; everything here is plain data (named tuples, numpy arrays, dataclasses)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -260,8 +260,20 @@ class Peak:
         return f"{self.bytes / MiB:.2f} MiB at step {self.step}, {self.phase}, in {self.module}"
 
 
+class CategoryColumns:
+    """A sampled table whose ``bytes`` (n_samples, n_categories) holds one column per name in ``category_names``."""
+
+    category_names: ClassVar[tuple[str, ...]] = CATEGORIES
+
+    def category(self, name: str) -> np.ndarray:
+        """Bytes of one category over the samples."""
+        if name not in self.category_names:
+            raise ValueError(f"category must be one of {self.category_names}, got {name!r}")
+        return self.bytes[:, self.category_names.index(name)]
+
+
 @dataclass
-class Timeline:
+class Timeline(CategoryColumns):
     """One sample per allocation or free: a columnar table of numpy arrays.
 
     ``bytes[i, c]`` is the number of live bytes of category ``CATEGORIES[c]``
@@ -283,12 +295,6 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self.step)
-
-    def category(self, name: str) -> np.ndarray:
-        """Bytes of one category over the samples."""
-        if name not in CATEGORIES:
-            raise ValueError(f"category must be one of {CATEGORIES}, got {name!r}")
-        return self.bytes[:, CATEGORIES.index(name)]
 
 
 @dataclass

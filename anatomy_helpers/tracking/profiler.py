@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .events import CATEGORIES, PHASES, PhaseMark, Timeline
+from .events import CATEGORIES, PHASES, CategoryColumns, PhaseMark, Timeline
 from .trace import Trace
 
 # The columns of export_memory_timeline's "sizes", in torch's order (torch.profiler._memory_profiler's
@@ -72,7 +72,7 @@ STEP_PHASES = tuple(p for p in PHASES if p != "idle")
 
 
 @dataclass
-class ProfilerTimeline:
+class ProfilerTimeline(CategoryColumns):
     """What ``export_memory_timeline`` wrote: one sample per timestamp at which memory changed.
 
     ``bytes[i, c]`` is the number of live bytes of ``PROFILER_CATEGORIES[c]`` after sample ``i``; ``total`` is
@@ -80,6 +80,7 @@ class ProfilerTimeline:
     The profiler merges every change within one microsecond into one sample.
     """
 
+    category_names = PROFILER_CATEGORIES
     time_us: np.ndarray
     bytes: np.ndarray  # (n_samples, len(PROFILER_CATEGORIES))
     total: np.ndarray = field(init=False)
@@ -94,12 +95,6 @@ class ProfilerTimeline:
 
     def __len__(self) -> int:
         return len(self.time_us)
-
-    def category(self, name: str) -> np.ndarray:
-        """Bytes of one profiler category over the samples."""
-        if name not in PROFILER_CATEGORIES:
-            raise ValueError(f"category must be one of {PROFILER_CATEGORIES}, got {name!r}")
-        return self.bytes[:, PROFILER_CATEGORIES.index(name)]
 
     def at(self, index: int) -> dict[str, int]:
         """Bytes per profiler category after sample ``index``."""
@@ -195,21 +190,7 @@ def profiler_trace(timeline: ProfilerTimeline, spans: Sequence[PhaseSpan], devic
     key = step * len(PHASES) + phase
     changes = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else []
     marks = [PhaseMark(int(i), float(time_s[i]), int(step[i]), PHASES[phase[i]]) for i in changes]
-    empty = np.zeros(0, dtype=np.int64)
-    return Trace(
-        timeline=tl,
-        alloc_category=empty,
-        alloc_module=empty,
-        alloc_ids=empty,
-        alloc_deltas=empty,
-        baseline_ids=empty,
-        baseline_bytes=empty,
-        phase_marks=marks,
-        saved=[],
-        grad_param={},
-        device=device,
-        duration_s=float(time_s[-1]) if len(time_s) else 0.0,
-    )
+    return Trace.from_samples(tl, marks, device=device)
 
 
 # kineto (torch 2.13) writes lines such as

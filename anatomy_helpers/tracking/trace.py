@@ -92,6 +92,18 @@ class Trace:
         self.baseline: dict[str, int] = {c: int(b) for c, b in zip(CATEGORIES, base)}  # bytes when tracking began
 
     @classmethod
+    def from_samples(cls, timeline: Timeline, phase_marks: list[PhaseMark], *, device: str) -> Trace:
+        """A Trace of memory samples alone, without the per-allocation record (e.g. one read from torch.profiler):
+        no allocation ids, no saved tensors, no baseline; its duration is the timeline's last time."""
+        empty = np.zeros(0, dtype=np.int64)
+        allocations = ("alloc_category", "alloc_module", "alloc_ids", "alloc_deltas", "baseline_ids", "baseline_bytes")
+        duration_s = float(timeline.time_s[-1]) if len(timeline) else 0.0
+        return cls(
+            timeline=timeline, phase_marks=phase_marks, saved=[], grad_param={}, device=device, duration_s=duration_s,
+            **dict.fromkeys(allocations, empty),
+        )  # fmt: skip
+
+    @classmethod
     def from_events(
         cls,
         *,
