@@ -204,12 +204,13 @@ def jupyterlab(root_dir: Path, work: Path):
 
 
 def stop_kernels(base: str, token: str) -> None:
-    """Shut down every kernel of the server (REST API: no dialog to answer)."""
+    """End every session of the server and shut down every kernel (REST API: no dialog to answer)."""
     headers = {"Authorization": f"token {token}"}
-    kernels = json.load(urllib.request.urlopen(urllib.request.Request(f"{base}/api/kernels", headers=headers)))
-    for k in kernels:
-        req = urllib.request.Request(f"{base}/api/kernels/{k['id']}", method="DELETE", headers=headers)
-        urllib.request.urlopen(req, timeout=30)
+    for what in ("sessions", "kernels"):  # a session's end stops its kernel; then any kernel left without one
+        found = json.load(urllib.request.urlopen(urllib.request.Request(f"{base}/api/{what}", headers=headers)))
+        for k in found:
+            req = urllib.request.Request(f"{base}/api/{what}/{k['id']}", method="DELETE", headers=headers)
+            urllib.request.urlopen(req, timeout=30)
 
 
 @dataclass
@@ -238,8 +239,14 @@ class NotebookResult:
 
 
 # JavaScript run in the page, against JupyterLab's exposed application object.
-JS_CURRENT = "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget; return !!(w && w.content" \
-             " && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel); }"  # fmt: skip
+JS_CURRENT = """(name) => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  return !!(w && w.content && w.context && w.context.path === name && w.sessionContext && w.sessionContext.session
+            && w.sessionContext.session.kernel && w.sessionContext.session.kernel.status === 'idle'); }"""
+JS_OPEN = "(name) => window.jupyterapp.commands.execute('docmanager:open', {path: name})"
+# Close every open document without the "save your changes?" dialog (the copies' changes are not wanted).
+JS_CLOSE_ALL = """() => { for (const w of Array.from(window.jupyterapp.shell.widgets('main'))) {
+  if (w.context && w.context.model) w.context.model.dirty = false;
+  w.dispose(); } }"""
 JS_DONE = """() => {
   const w = window.jupyterapp.shell.currentWidget;
   const cells = w.content.widgets.filter(c => c.model.type === 'code');
@@ -316,17 +323,19 @@ def check_fit(page, panel, name: str, result: NotebookResult) -> None:
 def drive(
     page, base: str, token: str, name: str, shots: Path, run_timeout_s: float = 180, cells=None
 ) -> NotebookResult:
-    """Open ``name``, run all its cells, check outputs, then move every control of every panel once. ``cells``: the
-    index in the learner notebook of each cell of ``name`` (a copy holding only some of them), for the messages."""
+    """Open ``name`` (loading JupyterLab into ``page`` first, or beside it once loaded), run all its cells, check
+    outputs, then move every control of every panel once. ``cells``: the index in the learner notebook of each cell
+    of ``name`` (a copy holding only some of them), for the messages."""
     result = NotebookResult(name)
     start = time.monotonic()
-    # a workspace of its own, reset: only this notebook open, nothing restored from an earlier one
-    page.goto(f"{base}/lab/workspaces/{Path(name).stem}/tree/{name}?reset&token={token}")
-    page.wait_for_function(JS_CURRENT, timeout=60_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    if page.url.startswith(base):  # JupyterLab is loaded already (an earlier notebook): open this one beside it
+        page.evaluate(JS_OPEN, name)
+    else:  # a workspace of its own, reset: only this notebook open, nothing restored from an earlier run
+        page.goto(f"{base}/lab/workspaces/course-check/tree/{name}?reset&token={token}")
+    page.wait_for_function(JS_CURRENT, arg=name, timeout=60_000, polling=200)
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    page.wait_for_timeout(1000)
-    page.wait_for_function(JS_DONE, timeout=run_timeout_s * 1000, polling=500)
+    # every execution count starts empty (learner copies), so "all counted and the kernel idle" means all ran
+    page.wait_for_function(JS_DONE, timeout=run_timeout_s * 1000, polling=200)
     result.seconds = time.monotonic() - start
     for kind, cell, text in page.evaluate(JS_OUTPUTS):
         cell = cells[cell] if cells else cell
@@ -450,12 +459,15 @@ def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str
 
 class Browser:
     """One JupyterLab (on copies of ``notebooks``) and one headless Chromium, opened once for several notebooks:
-    :meth:`check` drives one notebook in a fresh page. The browser test opens one per pytest worker, each checking
-    its share of the notebooks; ``with Browser(...) as b:`` starts both and stops both."""
+    :meth:`check` drives one notebook at a time in one page (JupyterLab's application loads once; each notebook is
+    closed and its kernel stopped before the next opens; a page where a check failed is replaced). The browser test
+    opens one per pytest worker, each checking its share of the notebooks; ``with Browser(...) as b:`` starts both
+    and stops both."""
 
     def __init__(self, notebooks: list[Path], chromium: str, shots: Path, log=print, all_cells: bool = False):
         self.notebooks, self.chromium, self.shots, self.log = list(notebooks), chromium, shots, log
         self.all_cells, self.kept = all_cells, {}  # kept: notebook name -> the learner cells its copy holds
+        self.page = None  # the page every notebook opens in, in turn
 
     def __enter__(self) -> Browser:
         from playwright.sync_api import sync_playwright
@@ -487,17 +499,23 @@ class Browser:
         self._stack.close()
 
     def check(self, nb: Path) -> NotebookResult:
-        """Run :func:`drive` on ``nb`` (one of this session's notebooks) in a fresh page; log PASS/FAIL and why."""
+        """Run :func:`drive` on ``nb`` (one of this session's notebooks) in this session's page; log PASS/FAIL and
+        why."""
         for old in self.shots.glob(f"{nb.stem}_*.png"):  # this notebook's screenshots from an earlier run
             old.unlink()
-        page = self.browser.new_page(viewport=VIEWPORT)
+        if self.page is None:  # one page for all: loading JupyterLab's application again costs seconds of CPU
+            self.page = self.browser.new_page(viewport=VIEWPORT)
+        page = self.page
         try:
             result = drive(page, self.base, self.token, nb.name, self.shots, cells=self.kept.get(nb.name))
         except Exception as e:  # report, don't hide: which step failed is in the message
             result = NotebookResult(nb.name, problem=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             page.screenshot(path=str(self.shots / f"{nb.stem}_failed.png"))
-        finally:
+            self.page = None  # the next notebook starts from a fresh page
             page.close()
+        else:
+            page.evaluate(JS_CLOSE_ALL)  # before its kernel stops: no "kernel died" dialog over the next notebook
+        finally:
             stop_kernels(self.base, self.token)  # free the CPU for the next notebook
         cells = f"{len(self.kept[nb.name])} cells the panels need" if nb.name in self.kept else "all cells"
         self.log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({cells} in {result.seconds:.0f} s): "
