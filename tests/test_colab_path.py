@@ -2,8 +2,9 @@
 and the notebook's first cell pip-installs the course from GitHub.
 
 A fresh virtual environment gets Colab's kernel stack (ipykernel 6.17.1, IPython 7.34.0, ipywidgets 7.7.1,
-jupyter-client 6.1.12, tornado, pyzmq and traitlets at Colab's versions, from PyPI) with torch, numpy and matplotlib
-"preinstalled" (linked from this environment: no torch download). `google.colab` is importable in it, so the first
+jupyter-client 6.1.12, tornado, pyzmq and traitlets at Colab's versions, from PyPI, installed with uv where it is at
+hand: fresh_env.FreshEnv.install_pinned) with torch, numpy and matplotlib "preinstalled" (linked from this
+environment: no torch download). `google.colab` is importable in it, so the first
 cell takes its Colab branch and runs its own pip line, unchanged: git is told to fetch
 `https://github.com/<slug>` from a local repository made of this checkout's files (tracked and new), so the package
 is built and installed non-editably from exactly what would be pushed. Then the learner copies execute from a folder
@@ -65,7 +66,7 @@ def colab(tmp_path_factory):
         pytest.skip("NOT TESTED: the Colab path needs git (the first cell installs with pip from a git URL)")
     tmp = tmp_path_factory.mktemp("colab")
     env = make_env(tmp, PREINSTALLED, exclude=NOT_LINKED)
-    installed = env.pip_install(COLAB_STACK, check=False)
+    installed = env.install_pinned(COLAB_STACK, check=False)
     if installed.returncode:
         pip_failed("installing Colab's kernel stack from PyPI", installed.stderr)
     (env.site / "google_colab_stub.pth").write_text(COLAB_STUB)
