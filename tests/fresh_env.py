@@ -86,8 +86,8 @@ class FreshEnv:
         test is about): with uv where this interpreter has it beside it (scripts/course.py installs it for its own
         setup), from where pip would take them (course.uv_flags), else with pip. uv installed Colab's kernel stack in
         5 s where pip took 41 s on 2 cores. uv does not see the distributions linked in through the .pth file, so it
-        installs the pinned packages' dependencies itself, into site-packages, where they win over the linked ones
-        (as pip's would)."""
+        installs the pinned packages' dependencies itself, into site-packages, ahead of the linked copies on the path
+        (pip would have kept the linked ones); the tests check that torch stays the linked one."""
         unpinned = [r for r in requirements if "==" not in r]
         if unpinned:
             raise ValueError(f"install_pinned takes name==version pins only, got {unpinned}")

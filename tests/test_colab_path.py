@@ -78,6 +78,7 @@ def test_first_cells_install_the_course_like_colab_and_the_notebooks_run_outside
     env, tmp, remote = colab
     before = {d: (env.version(d), env.where(m)) for d, m in (("torch", "torch"), ("ipywidgets", "ipywidgets"))}
     assert before["ipywidgets"][0] == "7.7.1" and env.version("ipython") == "7.34.0"
+    assert before["torch"][1].startswith(str(tmp / "preinstalled")), before  # Colab's own torch: the linked one
     content = tmp / "content"  # Colab's working folder: the notebook alone, nothing of the repository around it
     content.mkdir()
     wanted = os.environ.get("COURSE_COLAB_NOTEBOOKS", "")
