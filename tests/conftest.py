@@ -84,7 +84,11 @@ def make_record(rows) -> AllocationRecord:
 # The slow tests first, the longest first (a file's tests stay together): with pytest-xdist they then run beside the
 # unit tests and notebooks from the start instead of as a tail at the end of the suite. scripts/test.sh passes
 # --no-loadscope-reorder, or xdist would put the files with the most tests (the notebooks' cells) first instead.
-_SLOW_FIRST = ["test_colab_path.py", "test_wheelhouse.py", "test_binder_path.py", "test_browser.py", "test_hf.py"]
+# Then the longest unit-test files (each 13-50 CPU-seconds; measured with --quick, December 2026), so that neither
+# worker is left with one of them at the end while the other has finished.
+_SLOW_FIRST = ["test_colab_path.py", "test_wheelhouse.py", "test_binder_path.py", "test_browser.py", "test_hf.py",
+               "test_fake_world.py", "test_prediction.py", "test_world_runner.py", "test_distributed.py",
+               "test_tensor_parallel.py"]  # fmt: skip
 
 
 # Under `--dist loadfile` a file's tests stay on one worker (a notebook's cells, a module fixture's users), except in
