@@ -4,11 +4,10 @@ and the notebook's first cell pip-installs the course from GitHub.
 A fresh virtual environment gets Colab's kernel stack (ipykernel 6.17.1, IPython 7.34.0, ipywidgets 7.7.1,
 jupyter-client 6.1.12, tornado, pyzmq and traitlets at Colab's versions, from PyPI, installed with uv where it is at
 hand: fresh_env.FreshEnv.install_pinned) with torch, numpy and matplotlib "preinstalled" (linked from this
-environment: no torch download). `google.colab` is importable in it, so the first
-cell takes its Colab branch and runs its own pip line, unchanged: git is told to fetch
-`https://github.com/<slug>` from a local repository made of this checkout's files (tracked and new), so the package
-is built and installed non-editably from exactly what would be pushed. Then the learner copies execute from a folder
-outside the repository, with no path back into it.
+environment: no torch download). `google.colab` is importable in it, so the first cell takes its Colab branch and
+runs its own pip line, unchanged: git is told to fetch `https://github.com/<slug>` from a local repository made of
+this checkout's files (tracked and new), so the package is built and installed non-editably from exactly what would
+be pushed. Then the learner copies execute from a folder outside the repository, with no path back into it.
 
 By default the tour and notebook 01 (the quickest other one; slider panel and progress bars) run, which keeps the
 suite inside its time budget; COURSE_COLAB_NOTEBOOKS=all runs every notebook (about 3 minutes more on 2 cores).
