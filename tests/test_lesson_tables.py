@@ -150,3 +150,26 @@ def test_precision_table_bytes_per_parameter():
         assert r.optimizer_state == pytest.approx(2 * e + counters), setup
     assert rows["fp32"].saved_16bit == 0.0 and 0 < rows["fp32 + autocast bf16"].saved_16bit < 1
     assert rows["pure bf16"].activations < rows["fp32"].activations
+
+
+def test_measure_world_runs_one_world_for_one_set_of_arguments_however_they_are_passed(monkeypatch):
+    from anatomy_helpers.lessons import scaling
+
+    worlds = []
+
+    def fake_run_world(jobs, world_size, backend, timeout_s):
+        worlds.append((world_size, tuple(j.strategy for j in jobs), jobs[0].micro_batches, backend))
+        return {"world": len(worlds)}
+
+    monkeypatch.setattr(scaling, "run_world", fake_run_world)
+    scaling._measured_world.cache_clear()
+    try:
+        first = scaling.measure_world(2)  # the lesson's call
+        assert scaling.measure_world(2, 1) is first  # the panel's
+        assert scaling.measure_world(world_size=2, strategies=list(scaling.STRATEGIES)) is first
+        assert scaling.measure_world(2, 2) is not first  # other micro-batches: another world
+        assert scaling.measure_world(4, strategies=("zero1",)) == {"world": 3}
+    finally:
+        scaling._measured_world.cache_clear()  # no fake world left for a later test
+    assert worlds == [(2, tuple(scaling.STRATEGIES), 1, "gloo"), (2, tuple(scaling.STRATEGIES), 2, "gloo"),
+                      (4, ("zero1",), 1, "gloo")]  # fmt: skip

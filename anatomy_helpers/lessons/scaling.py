@@ -224,11 +224,18 @@ def format_precision(rows: list[PrecisionRow]) -> str:
 # ---- section 3: data parallelism ----------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=8)
 def measure_world(
     world_size: int = 2, micro_batches: int = 1, strategies: tuple = tuple(STRATEGIES), backend: str = "gloo"
 ) -> dict[str, list[RankResult]]:
-    """Every strategy in ``strategies`` on one world of ``world_size`` ranks (cached: the panel re-reads it)."""
+    """Every strategy in ``strategies`` on one world of ``world_size`` ranks, run once per kernel for each set of
+    arguments (the panel re-reads the lesson's worlds): ``measure_world(2)`` and ``measure_world(2, 1)`` are one."""
+    return _measured_world(world_size, micro_batches, tuple(strategies), backend)
+
+
+@lru_cache(maxsize=8)  # keyed on all four arguments, in order (lru_cache tells positional from keyword)
+def _measured_world(
+    world_size: int, micro_batches: int, strategies: tuple, backend: str
+) -> dict[str, list[RankResult]]:
     jobs = [
         RankJob(s, steps=1, batch_size=GLOBAL_BATCH, micro_batches=micro_batches, model=dict(CONFIG))
         for s in strategies
