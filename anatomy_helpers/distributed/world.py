@@ -1,10 +1,10 @@
 """Running a world of ranks from a notebook or a test, and reading what the ranks sent back.
 
-:func:`run_world` starts ``world_size`` local processes, each running ``python -m anatomy_helpers.distributed``
-(a free port on 127.0.0.1, arguments checked before anything starts, a clear error naming the rank that failed or
-hung, every process killed on the way out, and ranks that end themselves if this process dies), and returns each
-rank's :class:`~anatomy_helpers.distributed.ranks.RankResult`; :func:`worker_main` is the rank's side. :func:`rank_rows`
-and
+:func:`run_world` starts ``world_size`` local ranks, each running what ``python -m anatomy_helpers.distributed``
+runs (on Linux forked from a process that imported torch once: :mod:`.zygote`), on a free port on 127.0.0.1:
+arguments checked before anything starts, a clear error naming the rank that failed or hung, every process killed
+on the way out, and ranks that end themselves if this process dies. It returns each rank's
+:class:`~anatomy_helpers.distributed.ranks.RankResult`; :func:`worker_main` is the rank's side. :func:`rank_rows` and
 :func:`format_rank_table` set each rank's measured model states beside the ZeRO paper's formulas
 (:func:`~anatomy_helpers.prediction.formulas.zero_model_states`). Bytes unless a name says otherwise.
 """
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from ..checks import positive_number, torch_at_least
 from ..prediction.formulas import zero_model_states
 from .ranks import RankJob, RankResult
+from .zygote import start_rank
 
 # ---- starting the ranks ---------------------------------------------------------------------------------------
 
@@ -189,16 +190,7 @@ def run_world(
                 )
                 cmd = [sys.executable, "-m", "anatomy_helpers.distributed", "--worker", tmp, f"--backend={backend}"]
                 with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:
-                    procs.append(
-                        subprocess.Popen(
-                            cmd,
-                            env=env,
-                            stdout=subprocess.DEVNULL,
-                            stderr=err,
-                            start_new_session=True,
-                            pass_fds=(watch,),
-                        )
-                    )
+                    procs.append(start_rank(cmd, env, stderr=err, pass_fds=(watch,)))  # forked, on Linux
             os.close(watch)
             watch = None
             _wait(procs, tmp, timeout_s)
