@@ -26,6 +26,7 @@ from .prediction.formulas import param_count
 ATTENTION_IMPLS = ("manual", "sdpa")
 BLOCKS = ("gpt2", "llama")  # GPT-2's block, or Llama's: RMSNorm, SwiGLU, rotary positions, grouped-query attention
 ROPE_THETA = 500_000.0  # the rotary base of Llama 3 (Llama 2 used 10,000); it changes values, never memory
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: a target the loss skips (padding, a prompt token)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -303,7 +304,8 @@ class LlamaBlock(nn.Module):
 
 
 def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The summed cross-entropy of one chunk of N tokens: x (N, C) through the head to logits (N, V), in fp32."""
+    """The summed cross-entropy of one chunk of N tokens: x (N, C) through the head to logits (N, V), in fp32.
+    Targets of -100 (``F.cross_entropy``'s ``ignore_index``) add nothing, as in the plain loss."""
     return F.cross_entropy(F.linear(x, weight).float(), targets, reduction="sum")
 
 
@@ -316,16 +318,18 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     time: 2 * chunk * C * V more FLOPs per chunk) and frees its logits and their gradient before the next chunk. So
     the (B*T, V) logits in fp32 and their gradient, which dominate the end of forward and the start of backward for
     a large vocabulary, shrink to one chunk's. The same loss as the plain one up to the order of the sums (float
-    rounding).
+    rounding), ignored targets (-100) included: the sum is divided by the tokens that count, as ``F.cross_entropy``'s
+    mean is.
     """
     B, T, C = x.shape
     flat, tgt = x.reshape(B * T, C), targets.reshape(B * T)
+    counted = tgt.ne(IGNORE_INDEX).sum()  # a scalar: the tokens whose target is not ignored
     total = None
     # split (not slicing): autograd joins the chunks' input gradients once, in one (B*T, C) tensor
     for xs, ts in zip(flat.split(chunk), tgt.split(chunk)):
         part = checkpoint(_chunk_loss, xs, weight, ts, use_reentrant=False)
         total = part if total is None else total + part
-    return total / (B * T)
+    return total / counted
 
 
 class GPT(nn.Module):

@@ -66,26 +66,54 @@ class OptimizerInBackward(torch.optim.Optimizer):
     ones backward is still summing, where the plain step holds every gradient when the optimizer starts.
 
     ``make([p])`` builds the optimizer of one parameter (any ``torch.optim`` optimizer whose update of a parameter
-    reads only that parameter's gradient: SGD, momentum, Adam(W)). All of them share one ``state`` dict, so
-    ``optimizer.state`` reads as a plain optimizer's and the tracker counts it as optimizer state. The hooks live
-    only while :func:`run_step` runs backward (:meth:`in_backward`). What it cannot do, by construction, raises a
-    ValueError there: clipping the gradients by their norm over all parameters (no moment holds them all),
-    accumulating micro-batches (the step would run at every micro-batch's backward), a GradScaler (it unscales and
-    checks every gradient before any step) and data parallelism (DDP averages the gradients after they land).
+    reads only that parameter's gradient: SGD, momentum, Adam(W)). It keeps torch's optimizer contract: its
+    ``state`` and ``param_groups`` *are* the per-parameter optimizers' (one shared state dict, one group per
+    parameter), so the tracker counts the state as optimizer state, a learning rate set in ``param_groups`` (by hand
+    or by an ``lr_scheduler``) is the one each parameter steps with, and ``state_dict``/``load_state_dict`` round
+    trip. Every parameter given gets an optimizer, frozen or not: a parameter unfrozen later trains from then on.
+
+    The hooks live only while :func:`run_step` runs backward (:meth:`in_backward`), on the parameters that require
+    a gradient then. What it cannot do, by construction, raises a ValueError: clipping the gradients by their norm
+    over all parameters (no moment holds them all), accumulating micro-batches or a second backward in one step
+    (each would step again), a GradScaler (it unscales and checks every gradient before any step), data
+    parallelism (DDP averages the gradients after they land) and ``add_param_group``.
     """
 
     def __init__(self, params, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):
-        params = [p for p in params if p.requires_grad]
-        if not params:
+        params = list(params)
+        if not any(p.requires_grad for p in params):
             raise ValueError("OptimizerInBackward needs at least one parameter that requires a gradient")
         super().__init__(params, {})
         self.optimizers = {p: make([p]) for p in params}  # a tensor hashes by identity: one entry per parameter
         for opt in self.optimizers.values():
             if not isinstance(opt, torch.optim.Optimizer):
                 raise ValueError(f"make([p]) must return a torch.optim.Optimizer, got {type(opt).__name__}")
-            opt.state = self.state  # one dict keyed by parameter for all: counted once, read like any optimizer's
+        self.param_groups = [opt.param_groups[0] for opt in self.optimizers.values()]
+        self._share()
         self._ready: torch.Tensor | None = None  # the parameter whose gradient has just landed
+        self._stepped: set[torch.Tensor] = set()  # the parameters stepped inside the current in_backward()
         self._set_to_none = True
+
+    def _share(self) -> None:
+        """Point every per-parameter optimizer at this one's state dict and at its own group here: one dict keyed by
+        parameter for all (counted once, read like any optimizer's), one group each (lr and schedulers reach it)."""
+        for group in self.param_groups:
+            opt = self.optimizers[group["params"][0]]
+            opt.state, opt.param_groups = self.state, [group]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``Optimizer.load_state_dict``, then the per-parameter optimizers pointed at the loaded state and
+        groups (torch replaces both dicts: left alone, each would go on from its old state, Adam from its old step)."""
+        super().load_state_dict(state_dict)
+        self._share()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "optimizers"):  # torch's __init__ adds the first group itself
+            raise ValueError(
+                "OptimizerInBackward builds one optimizer per parameter when it is made: make a new one with "
+                "every parameter instead of adding a group"
+            )
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -105,10 +133,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def in_backward(self, set_to_none: bool = True):
-        """While inside: each parameter is stepped as its gradient lands (``register_post_accumulate_grad_hook``);
-        the hooks are removed on leaving, whatever happened."""
+        """While inside: each parameter that requires a gradient is stepped as its gradient lands
+        (``register_post_accumulate_grad_hook``), once; the hooks are removed on leaving, whatever happened."""
 
         def hook(p: torch.Tensor) -> None:
+            if p in self._stepped:
+                raise ValueError(
+                    "a second backward inside one in_backward() would step this parameter twice in one training "
+                    "step: run one backward per step (to accumulate gradients, use a plain optimizer)"
+                )
+            self._stepped.add(p)
             self._ready = p
             try:
                 self.step()
@@ -116,14 +150,17 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self._ready = None
 
         self._set_to_none = set_to_none
+        self._stepped = set()
         handles = []
         try:
             for p in self.optimizers:
-                handles.append(p.register_post_accumulate_grad_hook(hook))
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(hook))
             yield self
         finally:
             for h in handles:
                 h.remove()
+            self._stepped = set()
 
 
 @dataclass(frozen=True)
@@ -244,11 +281,13 @@ def run_step(
     for j in range(k):
         part = batch if k == 1 else [t[j * rows : (j + 1) * rows] for t in batch]  # views: no copy
         mixed = torch.autocast(device.type, dtype=getattr(torch, plan.autocast)) if plan.autocast else None
-        with hooks.phase("forward"), mixed or contextlib.nullcontext():
-            loss = plan.loss(model, part) if k == 1 else plan.loss(model, part) / k
-        del part
-        with hooks.phase("backward"), optimizer.in_backward(plan.set_to_none) if fused else contextlib.nullcontext():
-            hooks.backward(loss if scaler is None else scaler.scale(loss))
+        with _gradient_sync(model, last=j == k - 1):
+            with hooks.phase("forward"), mixed or contextlib.nullcontext():
+                loss = plan.loss(model, part) if k == 1 else plan.loss(model, part) / k
+            del part
+            in_backward = optimizer.in_backward(plan.set_to_none) if fused else contextlib.nullcontext()
+            with hooks.phase("backward"), in_backward:
+                hooks.backward(loss if scaler is None else scaler.scale(loss))
         hooks.after_backward(loss)
         if k > 1:
             parts.append(loss.item() if plan.read_loss else None)
@@ -256,6 +295,8 @@ def run_step(
     if plan.optimizer_step and not fused:
         with hooks.phase("optimizer"):
             if plan.clip_grad_norm is not None:  # over all parameters: every gradient must be there
+                if scaler is not None:  # torch's AMP recipe: clip the true gradients, not the scaled ones
+                    scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), plan.clip_grad_norm)
             if scaler is None:
                 optimizer.step()
@@ -271,6 +312,16 @@ def run_step(
     for j in range(len(batch)):  # freed first to last; the next batch should not overlap with this one
         batch[j] = None
     return value
+
+
+def _gradient_sync(model: nn.Module, last: bool):
+    """DDP's ``no_sync()`` on every micro-batch but the last (nanoGPT's and accelerate's accumulation loop): the
+    gradients are summed locally and all-reduced once, at the last micro-batch's backward, instead of at each.
+    Any other model (one device, FSDP2, which reduce-scatters each micro-batch to keep its gradients sharded): no
+    change. DDP must see ``no_sync`` from the forward on, so the context spans forward and backward."""
+    if last or not isinstance(model, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 def _check_in_backward(plan: StepPlan, scaler) -> None:

@@ -161,14 +161,9 @@ def _optimizer(params, name: str, lr: float, foreach: bool | None, fused: bool |
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Forward, backward, optimizer step, zero_grad (the step :func:`track_steps` runs, untracked).
-
-    Returns the loss as a float."""
-    loss = model(x, y)[1]  # the logits are dropped at once: only what autograd saved stays
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+    """One training step on the batch ``(x, y)``, untracked: :func:`~anatomy_helpers.step.run_step` (forward,
+    backward, optimizer step, zero_grad) with that batch. Returns the loss as a float."""
+    return run_step(model, optimizer, StepPlan(batch_size=x.shape[0], batch=lambda _: (x, y)), 0)
 
 
 def make_model(device: str | torch.device | None = None, seed: int = 0, **config) -> GPT:
