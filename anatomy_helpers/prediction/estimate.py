@@ -75,12 +75,38 @@ def n_param_tensors(cfg: ModelConfig) -> int:
     return len(param_sizes(cfg))
 
 
+#: The optimizers the closed form models: the course's names (train.OPTIMIZER_NAMES) but 8-bit AdamW.
+MODELLED_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adamw_bf16")
+
+
+def check_optimizer(cfg: ModelConfig, optimizer: str) -> None:
+    """ValueError for an optimizer name the closed form does not model, saying why; a misspelling is no SGD."""
+    if optimizer == "adamw8bit":
+        raise ValueError(
+            "estimate_step does not model adamw8bit: bitsandbytes' block-wise 8-bit state and its kernels' "
+            "temporaries depend on its backend and on tensor sizes (small tensors keep float32 state); measure it "
+            "(train.track_steps), a dry run cannot follow it either"
+        )
+    if optimizer not in MODELLED_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {MODELLED_OPTIMIZERS}, got {optimizer!r}")
+    if optimizer == "adamw_bf16" and cfg.dtype != "float32":
+        raise ValueError(
+            f"estimate_step models adamw_bf16 on a float32 model only, got dtype {cfg.dtype!r}: on a 16-bit model "
+            "its update widens the gradient and mixes dtypes in place, temporaries the closed form does not write "
+            "out; dry-run it instead (dryrun.dry_run_config)"
+        )
+
+
 def optimizer_state_bytes(cfg: ModelConfig, optimizer: str) -> int:
-    """Adam(W): two moments in the parameters' dtype + a 4-byte step per tensor; momentum: one buffer; SGD: none."""
-    p = param_count(cfg) * _elt(cfg)
+    """Adam(W): two moments in the parameters' dtype + a 4-byte step per tensor; ``adamw_bf16``: two bf16 moments
+    (its step count is a Python int); momentum: one buffer; SGD: none. ValueError for a name not modelled."""
+    check_optimizer(cfg, optimizer)
+    n = param_count(cfg)
     if optimizer in ("adam", "adamw"):
-        return 2 * p + 4 * n_param_tensors(cfg)
-    return p if optimizer == "momentum" else 0
+        return 2 * n * _elt(cfg) + 4 * n_param_tensors(cfg)
+    if optimizer == "adamw_bf16":
+        return 2 * n * 2
+    return n * _elt(cfg) if optimizer == "momentum" else 0
 
 
 def _core_elt(cfg: ModelConfig) -> int:
@@ -223,9 +249,29 @@ def optimizer_temporaries(cfg: ModelConfig, optimizer: str, impl: str) -> int:
     if impl == "fused" or optimizer in ("sgd", "momentum"):
         return 0
     sizes = param_sizes(cfg)
+    if optimizer == "adamw_bf16":
+        return max(_bf16_state_moments(sizes))
     if impl == "foreach":
         return sum(sizes) * _elt(cfg)
     return max(prev + 2 * n for prev, n in zip([0] + sizes, sizes)) * _elt(cfg)
+
+
+def _bf16_state_moments(sizes: list[int]) -> list[int]:
+    """AdamWBF16State's temporaries at each parameter of a float32 model (train.py): float32 copies ``m`` and ``v``
+    of this tensor's moments (4 bytes an element each) are made while the previous tensor's are still bound (``v``
+    also as ``denom``, until ``denom`` is rebound): the larger of ``2 x previous + this`` (making ``m``) and
+    ``previous + 2 x this`` (making ``v``), times 4."""
+    return [4 * max(2 * prev + n, prev + 2 * n) for prev, n in zip([0] + sizes, sizes)]
+
+
+def _first_step_bf16_state(sizes: list[int]) -> int:
+    """Step 1 of AdamWBF16State creates each tensor's bf16 moments (4 bytes an element) as it reaches it: the peak
+    of the state made so far plus that tensor's temporaries."""
+    made, peak = 0, 0
+    for n, temps in zip(sizes, _bf16_state_moments(sizes)):
+        made += 4 * n
+        peak = max(peak, made + temps)
+    return peak
 
 
 def _core_transients(cfg: ModelConfig, b: int) -> int:
@@ -376,6 +422,14 @@ def estimate_step(
             f"estimate_step models one micro-batch per step, got micro_batches={micro_batches!r}: accumulation "
             "adds each later micro-batch's gradient to .grad; dry-run it instead (train.track_steps under a dry run)"
         )
+    if cfg.loss_chunk is not None:
+        raise ValueError(
+            f"estimate_step does not model the chunked loss (loss_chunk={cfg.loss_chunk}): its per-chunk logits and "
+            "recomputed head change the loss's moments; dry-run it instead (dryrun.dry_run_config)"
+        )
+    check_optimizer(cfg, optimizer)
+    if optimizer == "adamw_bf16" and impl != "single":
+        raise ValueError(f"adamw_bf16 has one implementation, the for-loop (impl 'single'), got impl {impl!r}")
     e, b, N = _elt(cfg), batch_size, batch_size * cfg.seq_len
     P, G = parameter_bytes(cfg), param_count(cfg) * e
     O = optimizer_state_bytes(cfg, optimizer)  # noqa: E741
@@ -388,6 +442,8 @@ def estimate_step(
         peaks[(step, "forward")] = P + state + batch + max(forward_moments(cfg, b).values())
         peaks[(step, "backward")] = P + state + batch + backward
         peaks[(step, "optimizer")] = P + G + O + batch + 4 + temps  # the loss is let go after zero_grad
+    if optimizer == "adamw_bf16":  # step 1 makes the state tensor by tensor, inside the loop
+        peaks[(1, "optimizer")] = P + G + batch + 4 + _first_step_bf16_state(param_sizes(cfg))
     return StepEstimate(P, G, O, A, peaks)
 
 
