@@ -165,8 +165,8 @@ MUTANTS = [
     Mutant(
         "estimate.adam-step-counters-dropped",
         EST,
-        "return 2 * p + 4 * n_param_tensors(cfg)",
-        "return 2 * p",
+        "return 2 * n * _elt(cfg) + 4 * n_param_tensors(cfg)",
+        "return 2 * n * _elt(cfg)",
         ("tests/test_estimate.py::test_model_states_by_hand",),
     ),
     Mutant(
@@ -520,6 +520,63 @@ MUTANTS = [
         "return a + (layers - base) * (b - a)",
         "return a + (layers - base - 1) * (b - a)",
         ("tests/test_mesh2d.py::test_per_block_scaling_equals_the_full_dry_run",),
+    ),
+    # ---- the one step against torch's recipes (tests/test_step_contracts.py)
+    Mutant(
+        "step.clip-before-unscale",
+        "step.py",
+        "                    scaler.unscale_(optimizer)\n",
+        "                    pass\n",
+        ("tests/test_step_contracts.py::test_clipping_under_a_grad_scaler_clips_the_unscaled_gradients_like_torchs_recipe",),
+    ),
+    Mutant(
+        "step.ddp-syncs-every-micro-batch",
+        "step.py",
+        "    if last or not isinstance(model, nn.parallel.DistributedDataParallel):",
+        "    if True:",
+        ("tests/test_step_contracts.py::test_ddp_all_reduces_once_per_step_whatever_the_micro_batches",),
+    ),
+    Mutant(
+        "step.in-backward-loaded-state-not-shared",
+        "step.py",
+        "        super().load_state_dict(state_dict)\n        self._share()",
+        "        super().load_state_dict(state_dict)",
+        ("tests/test_step_contracts.py::test_in_backward_state_dict_round_trip_continues_where_it_stopped",),
+    ),
+    Mutant(
+        "step.in-backward-own-param-groups",
+        "step.py",
+        "        self.param_groups = [opt.param_groups[0] for opt in self.optimizers.values()]\n",
+        "",
+        ("tests/test_step_contracts.py::test_in_backward_learning_rate_and_schedulers_go_through_param_groups",),
+    ),
+    Mutant(
+        "step.in-backward-steps-twice",
+        "step.py",
+        "            if p in self._stepped:",
+        "            if False:",
+        ("tests/test_step_contracts.py::test_in_backward_refuses_a_second_backward_in_one_step_and_add_param_group",),
+    ),
+    Mutant(
+        "model.chunked-loss-counts-ignored-targets",
+        "model.py",
+        "    return total / counted",
+        "    return total / (B * T)",
+        ("tests/test_step_contracts.py::test_chunked_loss_skips_ignored_targets_like_cross_entropy",),
+    ),
+    Mutant(
+        "estimate.unknown-optimizer-is-sgd",
+        EST,
+        "    if optimizer not in MODELLED_OPTIMIZERS:",
+        '    if optimizer not in MODELLED_OPTIMIZERS and optimizer != "AdamW":',
+        ("tests/test_estimate.py::test_every_optimizer_name_is_modelled_or_refused",),
+    ),
+    Mutant(
+        "estimate.loss-chunk-ignored",
+        EST,
+        "    if cfg.loss_chunk is not None:\n        raise",
+        "    if False:\n        raise",
+        ("tests/test_estimate.py::test_every_optimizer_name_is_modelled_or_refused",),
     ),
 ]
 
