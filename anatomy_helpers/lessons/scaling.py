@@ -436,3 +436,43 @@ def communication_at_peak(result: RankResult) -> tuple[int, list[int], Collectiv
     alive = sorted((a.bytes for a in result.trace.live_allocations(index, "communication")), reverse=True)
     last = [c for c in result.collectives if c.index <= index][-1]
     return index, alive, last
+
+
+@dataclass(frozen=True)
+class SyncRow:
+    """One DDP rank's step at ``micro_batches`` micro-batches: what it all-reduced and its peak (bytes)."""
+
+    micro_batches: int
+    all_reduces: int  # gradient all-reduces issued in the tracked step
+    all_reduced: int  # bytes they carried
+    peak: int
+    peak_phase: str
+
+
+def accumulation_sync(micro_batches=(1, 2, 4), world_size: int = 2) -> list[SyncRow]:
+    """Rank 0 of a ``world_size``-rank DDP job at the lesson's global batch, dry-run on torch's fake process group
+    for each micro-batch count: ``run_step`` runs all but the last micro-batch under DDP's ``no_sync()``, so the
+    gradients are all-reduced once per step, whatever k."""
+    from ..distributed.fake_world import dry_run_rank
+
+    rows = []
+    for k in micro_batches:
+        job = RankJob("ddp", steps=1, batch_size=GLOBAL_BATCH, micro_batches=k, model=dict(CONFIG))
+        result = dry_run_rank(job, world_size).result
+        reduces = [c for c in result.collectives if c.op.startswith("allreduce")]
+        peak = result.peak
+        rows.append(SyncRow(k, len(reduces), sum(c.bytes for c in reduces), peak.bytes, peak.phase))
+    return rows
+
+
+def format_accumulation_sync(rows: list[SyncRow]) -> str:
+    """The :func:`accumulation_sync` rows as a table (MiB)."""
+    cols = [
+        Col("micro-batches", 13),
+        Col("all-reduces", 11, ",d"),
+        Col("all-reduced", 11, ".2f"),
+        Col("rank peak", 9, ".2f"),
+        Col("peak phase", 11, "", "<", "  "),
+    ]
+    table = [(r.micro_batches, r.all_reduces, r.all_reduced / MiB, r.peak / MiB, r.peak_phase) for r in rows]
+    return format_table(cols, table, note="(MiB)")
