@@ -578,6 +578,55 @@ MUTANTS = [
         "    if False:\n        raise",
         ("tests/test_estimate.py::test_every_optimizer_name_is_modelled_or_refused",),
     ),
+    # ---- survivors of the review (issue "One engine")
+    Mutant(
+        "dryrun.twin-leaves-nothing-unchecked",
+        "prediction/dryrun.py",
+        "        unchecked = [key for key in unchecked if not op_checked(key)]",
+        "        unchecked = []",
+        (
+            "tests/test_dryrun_modules.py::test_what_the_small_twin_cannot_check_either_is_refused",
+            "tests/test_dryrun_modules.py::test_the_small_twin_checks_what_the_full_run_could_not",
+        ),
+    ),
+    Mutant(
+        "dryrun.twin-differences-dropped",
+        "prediction/dryrun.py",
+        "problems = {key: p for key, p in twin_problems.items() if key in unchecked}",
+        "problems = {}",
+        ("tests/test_dryrun_modules.py::test_the_small_twin_checks_what_the_full_run_could_not",),
+    ),
+    Mutant(
+        "dryrun.twin-never-run",
+        "prediction/dryrun.py",
+        "twin_problems, _ = check_calls(small_twin())",
+        "twin_problems, _ = check_calls({})",
+        ("tests/test_dryrun_modules.py::test_the_small_twin_checks_what_the_full_run_could_not",),
+    ),
+    Mutant(
+        "dryrun.no-op-calls-to-check",
+        "prediction/dryrun.py",
+        "    return trace, mode.calls",
+        "    return trace, {}",
+        (
+            "tests/test_dryrun_modules.py::test_what_the_small_twin_cannot_check_either_is_refused",
+            "tests/test_dryrun_modules.py::test_an_op_whose_fake_kernel_differs_is_refused_by_name",
+        ),
+    ),
+    Mutant(
+        "fake_check.signature-drops-dtype",
+        "prediction/fake_check.py",
+        "return (device.type, a.dtype, a.dim(), a.is_contiguous(), a.requires_grad)",
+        "return (device.type, a.dim(), a.is_contiguous(), a.requires_grad)",
+        ("tests/test_dryrun_modules.py::test_an_op_checked_in_float32_is_checked_again_in_bfloat16",),
+    ),
+    Mutant(
+        "cli_hf.refused-dry-run-exits-0",
+        "cli_hf.py",
+        'parser.exit(1, f"dry run refused: {e}\\n")',
+        'parser.exit(0, f"dry run refused: {e}\\n")',
+        ("tests/test_cli_hf.py::test_predict_hf_refused_by_the_dry_run_exits_1_saying_why",),
+    ),
 ]
 
 

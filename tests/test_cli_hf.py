@@ -96,3 +96,14 @@ def test_predict_hf_on_a_config_that_is_not_a_causal_lm_exits_2_naming_it(tmp_pa
         main(["predict", "--hf", str(tmp_path), "--seq-len", "16"])
     printed = capsys.readouterr()
     assert e.value.code == 2 and "ViTConfig (vit) is not a causal language model" in printed.err and not printed.out
+
+
+def test_predict_hf_refused_by_the_dry_run_exits_1_saying_why(tmp_path, capsys):
+    """A real refusal (a tiny Mixtral's eager experts make a shape from the router's choice: aten.nonzero) is not
+    an answer: exit status 1, the dry run's reason on stderr, nothing on stdout."""
+    tiny_config("mixtral-8x7b").to_json_file(tmp_path / "config.json")
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--hf", str(tmp_path), "--seq-len", "16", "--experts", "eager"])
+    printed = capsys.readouterr()
+    assert e.value.code == 1 and printed.out == ""
+    assert printed.err.startswith("dry run refused: ") and "aten.nonzero" in printed.err

@@ -258,3 +258,88 @@ def test_ops_too_large_to_check_are_refused_or_checked_on_a_small_twin(nothing_c
     # the calls over 1 MiB are checked on the small twin (none of its calls is over), or this would raise
     dry_run_config(batch_size=4, **{**SMALL, "d_model": 256, "n_head": 4, "seq_len": 64})
     assert real_twin and max(real_twin) <= 2**20
+
+
+# ---- the small twin: it checks what the full-size run could not, or the dry run is refused ------------------------
+
+
+def test_what_the_small_twin_cannot_check_either_is_refused(nothing_checked, monkeypatch):
+    """Every call over the limit, the twin's too: the twin runs, checks nothing, and the dry run is refused (not
+    passed because a twin ran)."""
+    monkeypatch.setattr(fake_check, "MAX_CHECK_BYTES", 1)
+    seen = []
+    check_calls = fake_check.check_calls
+    monkeypatch.setattr(dryrun, "check_calls", lambda calls, *a: seen.append(calls) or check_calls(calls, *a))
+    with pytest.raises(DryRunError, match=r"the course GPT uses aten\.\S+.* only at calls over .* smaller instance"):
+        dry_run_config(batch_size=2, **SMALL)
+    assert len(seen) == 2 and seen[1]  # the full-size run, then its small twin: it ran, and noted calls
+
+
+def _padded_model_calls(rows: int) -> dict:
+    """The op calls of a dry run of UsesAWrongFakeKernel on ``rows`` rows (checked by nothing yet)."""
+    return dryrun._run_fake(
+        UsesAWrongFakeKernel, lambda s: (torch.empty(rows, 8),), lambda m, b: m(*b).sum(), make_optimizer,
+        2, None, True, "cpu",
+    )[1]  # fmt: skip
+
+
+def test_the_small_twin_checks_what_the_full_run_could_not(nothing_checked, monkeypatch):
+    """padded_copy's fake kernel is wrong; the full-size run's calls of it are over the limit, its twin's under."""
+    monkeypatch.setattr(fake_check, "MAX_CHECK_BYTES", 4096)  # 512 x 8 float32 rows: 16 KiB; 3 x 8: 96 B
+    big = _padded_model_calls(512)
+    padded = [key for key in big if "padded_copy" in str(key[0])]
+    assert padded and all(big[key].nbytes > 4096 for key in padded)
+    # a twin with the same code paths finds the difference: refused naming the op, the module and the difference
+    with pytest.raises(DryRunError, match=r"anatomy_test\.padded_copy\.default \(first seen in module 'model'") as err:
+        dryrun._check_ops(big, "the model", lambda: _padded_model_calls(3))
+    assert "(3, 8) float32 at offset 0 of storage 1 (96 B) in the fake run" in str(err.value)
+    assert "only at calls over" not in str(err.value)
+    # a twin that never calls padded_copy leaves its signature unchecked: refused, naming it, not passed
+    fake_check._FAILED.clear()
+
+    def plain_twin():
+        return dryrun._run_fake(
+            lambda: nn.Linear(8, 8), lambda s: (torch.empty(3, 8),), lambda m, b: m(*b).sum(), make_optimizer,
+            2, None, True, "cpu",
+        )[1]  # fmt: skip
+
+    with pytest.raises(DryRunError, match=r"uses anatomy_test\.padded_copy\.default only at calls over"):
+        dryrun._check_ops(big, "the model", plain_twin)
+
+
+# ---- a signature keeps the dtype: a check in float32 does not stand for bfloat16 -----------------------------------
+
+
+@torch.library.custom_op("anatomy_test::padded_in_bf16", mutates_args=())
+def padded_in_bf16(x: torch.Tensor) -> torch.Tensor:
+    # a dtype-specific path: in bfloat16, x's values in a storage twice x's size; otherwise an exact copy
+    return torch.cat([x, x])[: x.shape[0]] if x.dtype == torch.bfloat16 else x.clone()
+
+
+@padded_in_bf16.register_fake
+def _(x):
+    return torch.empty_like(x)  # right in float32; half the real storage in bfloat16
+
+
+padded_in_bf16.register_autograd(lambda ctx, grad: grad)
+
+
+class UsesAFakeKernelWrongInBf16(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=dtype)
+
+    def forward(self, x):
+        return padded_in_bf16(self.lin(x))
+
+
+def test_an_op_checked_in_float32_is_checked_again_in_bfloat16(nothing_checked):
+    def dry(dtype):
+        model = lambda: UsesAFakeKernelWrongInBf16(dtype)  # noqa: E731
+        return dry_run(model, lambda s: (torch.empty(3, 8, dtype=dtype),), lambda m, b: m(*b).float().sum())
+
+    dry(torch.float32)  # the fake kernel is right in float32: checked, passed, remembered
+    with pytest.raises(DryRunError, match=r"anatomy_test\.padded_in_bf16\.default \(first seen in module 'model'") as e:
+        dry(torch.bfloat16)
+    assert "(3, 8) bfloat16 at offset 0 of storage 1 (48 B) in the fake run" in str(e.value)
+    assert "(3, 8) bfloat16 at offset 0 of storage 1 (96 B) for real" in str(e.value)
