@@ -323,6 +323,13 @@ MUTANTS = [
         ("tests/test_step.py", "tests/test_accumulation.py"),
     ),
     Mutant(
+        "step.hf-micro-batch-loss-not-divided",
+        "step.py",
+        "plan.loss(model, part) if k == 1 else plan.loss(model, part) / k",
+        "plan.loss(model, part)",
+        ("tests/test_hf.py::test_micro_batches_of_a_hugging_face_step_average_their_gradients",),
+    ),
+    Mutant(
         "step.every-rank-trains-rank-0s-rows",
         "step.py",
         "t[plan.rank * local : (plan.rank + 1) * local].clone()",

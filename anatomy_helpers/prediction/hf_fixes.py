@@ -14,11 +14,12 @@ import dataclasses
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..step import run_step
 from .dryrun import build_fake_model
 from .fixes import Fix, _fix_sort_key
 from .hf import hf_config
 from .hf_fit import ZERO_STRATEGIES, check_request, will_it_fit_hf
-from .hf_step import FineTune, _as_for_real, dry_run_hf, hf_batch, make_hf_model
+from .hf_step import FineTune, _as_for_real, dry_run_hf, hf_plan, make_hf_model, make_hf_optimizer
 
 #: The LoRA rank offered to a full or frozen fine-tune (a common choice; the candidate says which).
 LORA_RANK = 16
@@ -34,13 +35,14 @@ def _layers(cfg, n: int):
 
 
 def _flops_of(cfg, ft: FineTune) -> int:
+    """FLOPs of one step's forwards and backwards of ``ft`` on ``cfg``'s fake model: :func:`hf_plan` run by
+    :func:`~anatomy_helpers.step.run_step`, stopped after backward (no optimizer step), under FlopCounterMode."""
     mode = FakeTensorMode()
     model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
-    rows = dataclasses.replace(ft, batch_size=ft.batch_size // ft.micro_batches, micro_batches=1)
+    plan = hf_plan(cfg.vocab_size, ft, fake=True, optimizer_step=False)
     with mode, _as_for_real([]), FlopCounterMode(display=False) as counter:
-        input_ids, labels = hf_batch(cfg.vocab_size, rows, 0, fake=True)
-        model(input_ids=input_ids, labels=labels).loss.backward()
-    return int(counter.get_total_flops()) * ft.micro_batches
+        run_step(model, make_hf_optimizer(model, ft), plan, 0)
+    return int(counter.get_total_flops())
 
 
 def hf_step_flops(model, ft: FineTune) -> int:
