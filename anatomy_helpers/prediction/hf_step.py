@@ -181,17 +181,22 @@ def make_hf_model(cfg, ft: FineTune) -> nn.Module:
     return model
 
 
+def hf_optimizer_spec(ft: FineTune) -> tuple[type[torch.optim.Optimizer], dict]:
+    """``ft.optimizer`` as (its class, its keyword arguments): what ZeRO-1's ZeroRedundancyOptimizer takes."""
+    impl = {"lr": ft.lr, "foreach": ft.foreach, "fused": ft.fused}
+    if ft.optimizer == "sgd":
+        return torch.optim.SGD, impl
+    if ft.optimizer == "momentum":
+        return torch.optim.SGD, impl | {"momentum": 0.9}
+    if ft.optimizer == "adam":
+        return torch.optim.Adam, impl
+    return torch.optim.AdamW, impl | {"weight_decay": 0.0}
+
+
 def make_hf_optimizer(model: nn.Module, ft: FineTune) -> torch.optim.Optimizer:
     """``ft.optimizer`` over the parameters that train (the others get no gradient and no state)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    impl = {"foreach": ft.foreach, "fused": ft.fused}
-    if ft.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=ft.lr, **impl)
-    if ft.optimizer == "momentum":
-        return torch.optim.SGD(params, lr=ft.lr, momentum=0.9, **impl)
-    if ft.optimizer == "adam":
-        return torch.optim.Adam(params, lr=ft.lr, **impl)
-    return torch.optim.AdamW(params, lr=ft.lr, weight_decay=0.0, **impl)
+    cls, kwargs = hf_optimizer_spec(ft)
+    return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 
 def hf_batch(vocab_size: int, ft: FineTune, step: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,21 +216,20 @@ def hf_loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     return model(input_ids=input_ids, labels=labels).loss
 
 
-def hf_plan(vocab_size: int, ft: FineTune, *, fake: bool = False, rows: int | None = None, **fields) -> StepPlan:
+def hf_plan(vocab_size: int, ft: FineTune, *, fake: bool = False, **fields) -> StepPlan:
     """The fine-tuning step as a :class:`~anatomy_helpers.step.StepPlan`, run by the course's one
-    :func:`~anatomy_helpers.step.run_step`: step ``i``'s batch is ``hf_batch(vocab_size, ft, i, fake)`` (``rows``
-    rows instead of ``ft.batch_size``: a data-parallel job's global batch), split into ``ft.micro_batches``
+    :func:`~anatomy_helpers.step.run_step`: step ``i``'s batch is ``hf_batch(vocab_size, ft, i, fake)``, split into
+    ``ft.micro_batches``
     micro-batches (views), each forward under ``ft.autocast`` with :func:`hf_loss` divided by the number of
     micro-batches, and backward; then the optimizer step and ``zero_grad(set_to_none=True)``. A ``fake`` step
     reads no loss (a fake tensor has no value). ``fields``: more StepPlan fields (``optimizer_step``, ``rank``,
     ``world_size``, ...)."""
-    shape = ft if rows is None else dataclasses.replace(ft, batch_size=rows, micro_batches=1)
     return StepPlan(
-        batch_size=shape.batch_size,
+        batch_size=ft.batch_size,
         micro_batches=ft.micro_batches,
         autocast=ft.autocast,
         read_loss=not fake,
-        batch=functools.partial(hf_batch, vocab_size, shape, fake=fake),
+        batch=functools.partial(hf_batch, vocab_size, ft, fake=fake),
         loss=hf_loss,
         **fields,
     )
@@ -327,6 +331,22 @@ class _NamingMode(CheckedFakeTensorMode):
 
 def _fake_run(cfg, ft: FineTune, steps: int):
     """The dry run: (its Trace, the op calls to check)."""
+
+    def run(mode, as_for_real):
+        model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
+        mode.calls.clear()  # making the fake model is the dry run's doing, not the step's
+        with mode, as_for_real:
+            optimizer = make_hf_optimizer(model, ft)
+            return _steps(model, optimizer, cfg.vocab_size, ft, steps, fake=True, kernel_scratch=False), mode.calls
+
+    return hf_dry_run(cfg, run)
+
+
+def hf_dry_run(cfg, run):
+    """``run(mode, as_for_real)`` as every dry run of ``cfg``'s model runs: in the checked fake ``mode`` (made
+    here), with ``as_for_real`` (a context: transformers made to take its real path, :data:`HF_ASSUMPTIONS`)
+    around the step, a Ctrl-C held to a safe point; returns what ``run`` returns. A fake kernel that refuses, a
+    shape made from values or transformers' tracing path seen on a fake tensor raise DryRunError naming it."""
     interrupt = DeferredInterrupt()  # see dryrun._run_fake: a Ctrl-C inside the fake mode would abort the process
     interrupt.start()
     quiet = logging.getLogger("torch._subclasses.fake_tensor").disabled  # it logs a refusing fake kernel's traceback
@@ -334,11 +354,7 @@ def _fake_run(cfg, ft: FineTune, steps: int):
     mode = _NamingMode()
     tracing_calls: list[str] = []
     try:
-        model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
-        mode.calls.clear()  # making the fake model is the dry run's doing, not the step's
-        with mode, _as_for_real(tracing_calls):
-            optimizer = make_hf_optimizer(model, ft)
-            trace = _steps(model, optimizer, cfg.vocab_size, ft, steps, fake=True, kernel_scratch=False)
+        out = run(mode, _as_for_real(tracing_calls))
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         op = getattr(e, "func", e)
         raise DryRunError(
@@ -374,7 +390,7 @@ def _fake_run(cfg, ft: FineTune, steps: int):
             f"(is_tracing, at {'; '.join(sorted(set(tracing_calls)))}): the dry run would not be the real step, so "
             "it is refused"
         )
-    return trace, mode.calls
+    return out
 
 
 def twin_config(cfg, ft: FineTune):
