@@ -1,5 +1,6 @@
 """``python -m anatomy_helpers predict --hf MODEL ...``: will a Hugging Face fine-tune fit on a GPU
-(:func:`anatomy_helpers.prediction.hf_fit.will_it_fit_hf`), per rank under DDP or ZeRO at a chosen world size.
+(:func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf`), per rank under DDP or ZeRO at a chosen world size
+(a dry run of one rank of the sharded step on torch's fake process group).
 
 MODEL is a shipped configuration's name (prediction/hf.py SHIPPED) or a local config.json (or its folder).
 """
@@ -12,15 +13,16 @@ from .cli_common import add_fit_options, device_of, fields_given, positive_int_a
 
 
 def build_hf_predict_parser() -> argparse.ArgumentParser:
+    from .distributed.hf_fit import ZERO_STRATEGIES
     from .prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED
-    from .prediction.hf_fit import ZERO_STRATEGIES
     from .prediction.hf_step import OPTIMIZERS
 
     p = argparse.ArgumentParser(
         prog="python -m anatomy_helpers predict --hf",
         description="Dry-run two fine-tuning steps of a Hugging Face causal LM (fake tensors: nothing is allocated, "
         "no weights are read) and say whether they fit on a GPU, and if not, which phase of which step runs out "
-        "first. Under --world-size N the answer is per rank, its model states by the ZeRO formulas.",
+        "first. Under --world-size N the answer is rank 0's, from a dry run of the sharded step on torch's fake "
+        "process group.",
     )
     p.add_argument(
         "--hf", required=True, metavar="MODEL", help=f"a config.json (or its folder), or one of {', '.join(SHIPPED)}"
@@ -80,11 +82,10 @@ def _fine_tune(args):
 
 
 def hf_predict_main(argv: list[str]) -> int:
+    from .distributed.hf_fit import cheapest_fix_hf, will_it_fit_hf
     from .prediction.dryrun import DryRunError
     from .prediction.fit import usable_device
     from .prediction.hf import hf_config
-    from .prediction.hf_fit import will_it_fit_hf
-    from .prediction.hf_fixes import cheapest_fix_hf
 
     parser = build_hf_predict_parser()
     args = parser.parse_args(argv)

@@ -206,11 +206,11 @@ MUTANTS = [
         ("tests/test_prediction.py::test_fit_report_by_hand",),
     ),
     Mutant(
-        "hf_fit.sharding-leaves-the-timeline-whole",
-        "prediction/hf_fit.py",
-        "return replace(rec, bytes=scaled), np.cumsum(change, axis=0)[n0:]",
-        "return replace(rec, bytes=scaled), 0 * np.cumsum(change, axis=0)[n0:]",
-        ("tests/test_hf_fit.py::test_per_rank_reports_shrink_the_model_states_and_keep_the_activations",),
+        "ranks.zero1-optimizer-over-every-parameter",
+        "distributed/ranks.py",
+        "        if not zero1:\n            return cls(trains, **kw)",
+        "        if True:\n            return cls(trains, **kw)",
+        ("tests/test_hf_fit.py::test_a_hf_rank_holds_the_sharded_model_states_of_each_zero_stage",),
     ),
     Mutant(
         "hf_fit.fit-checked-against-the-whole-device",
@@ -323,6 +323,13 @@ MUTANTS = [
         ("tests/test_step.py", "tests/test_accumulation.py"),
     ),
     Mutant(
+        "step.hf-micro-batch-loss-not-divided",
+        "step.py",
+        "plan.loss(model, part) if k == 1 else plan.loss(model, part) / k",
+        "plan.loss(model, part)",
+        ("tests/test_hf.py::test_micro_batches_of_a_hugging_face_step_average_their_gradients",),
+    ),
+    Mutant(
         "step.every-rank-trains-rank-0s-rows",
         "step.py",
         "t[plan.rank * local : (plan.rank + 1) * local].clone()",
@@ -391,8 +398,8 @@ MUTANTS = [
     Mutant(
         "fake_world.batch-half-the-context",
         "distributed/fake_world.py",
-        "batch=lambda step: course_batch(job.batch_size, cfg.seq_len),",
-        "batch=lambda step: course_batch(job.batch_size, cfg.seq_len // 2),",
+        "lambda: GPT(cfg), lambda step: course_batch(job.batch_size, cfg.seq_len)",
+        "lambda: GPT(cfg), lambda step: course_batch(job.batch_size, cfg.seq_len // 2)",
         ("tests/test_fake_world.py::test_every_fake_rank_equals_its_real_gloo_rank_byte_for_byte",),
     ),
     Mutant(

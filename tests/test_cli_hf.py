@@ -8,8 +8,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from anatomy_helpers.cli import main  # noqa: E402
+from anatomy_helpers.distributed.hf_fit import will_it_fit_hf  # noqa: E402
 from anatomy_helpers.prediction.hf import tiny_config  # noqa: E402
-from anatomy_helpers.prediction.hf_fit import will_it_fit_hf  # noqa: E402
 from anatomy_helpers.prediction.hf_step import FineTune  # noqa: E402
 
 
@@ -35,7 +35,11 @@ def test_predict_hf_answers_with_the_will_it_fit_reports_numbers(tiny_json, caps
         dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved) for p in report.phases
     ]
     assert answer["peak_breakdown_bytes"] == report.peak.breakdown and answer["fits"] and answer["zero"] == 3
-    assert "LoRA r=4" in answer["config"] and "under fsdp2_zero3" in answer["note"]
+    assert (
+        "LoRA r=4" in answer["config"]
+        and "under fsdp2_zero3" in answer["note"]
+        and "fake process group" in answer["note"]
+    )
     assert answer["rules"].startswith("CPU kernels") and answer["device"] == "H100 80GB HBM3"
     # already LoRA, checkpointed, bf16 and at ZeRO-3: what is left to try is accumulation and the fused AdamW
     assert {f["change"] for f in answer["fixes"]} == {"micro-batch 1 x 2", "fused optimizer"}

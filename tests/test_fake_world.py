@@ -24,6 +24,7 @@ from anatomy_helpers.distributed.fake_world import (
 from anatomy_helpers.distributed.ranks import STRATEGIES, RankJob
 from anatomy_helpers.distributed.world import run_world
 from anatomy_helpers.model import GPT, ModelConfig
+from anatomy_helpers.prediction.dryrun import course_batch
 from anatomy_helpers.prediction.formulas import zero_model_states
 from anatomy_helpers.tensors import storage_bytes
 
@@ -212,7 +213,8 @@ def test_world_rows_give_each_asked_rank_with_its_formula_and_rules():
 def test_the_step_ops_are_checked_and_the_collectives_left_out():
     from anatomy_helpers.prediction import fake_check
 
-    run, calls = fake_world._fake_rank(job("ddp", 2), ModelConfig(**SMALL), 2, 0)
+    cfg, ddp = ModelConfig(**SMALL), job("ddp", 2)
+    run, calls = fake_world.fake_rank(ddp, 2, 0, lambda: GPT(cfg), lambda i: course_batch(ddp.batch_size, cfg.seq_len))
     assert not any(str(call.func).startswith("c10d.") for call in calls.values())
     assert run.result.collectives  # the all-reduce was issued all the same
     dry_run_rank(job("ddp", 2), 2, 0)  # (calls holds only signatures this session has not checked yet)

@@ -184,16 +184,37 @@ def test_bad_fine_tunes_get_clear_errors():
         dry_run_hf(tiny_config("llama-3.2-1b"), FineTune(method="lora", lora_targets=("nonexistent_proj",)))
     # GPT-2's learned positions end at n_positions: past them the real step fails (index out of range), so a dry
     # run, which reads no token ids, is refused there rather than answering for a step that cannot run
-    from anatomy_helpers.prediction.hf_step import hf_batch, hf_step, make_hf_optimizer
+    from anatomy_helpers.prediction.hf_step import hf_plan, make_hf_optimizer
+    from anatomy_helpers.step import run_step
 
     tiny, long = tiny_config("gpt2"), FineTune(seq_len=65, batch_size=1)
     assert tiny.max_position_embeddings == 64
     model = make_hf_model(tiny, long)
     with pytest.raises(IndexError):
-        hf_step(model, make_hf_optimizer(model, long), hf_batch(tiny.vocab_size, long, 0), long)
+        run_step(model, make_hf_optimizer(model, long), hf_plan(tiny.vocab_size, long), 0)
     for run in (dry_run_hf, track_hf):
         with pytest.raises(ValueError, match=r"seq_len 65 .*GPT2Config.*max_position_embeddings=64"):
             run(tiny, long)
+
+
+def test_micro_batches_of_a_hugging_face_step_average_their_gradients():
+    """The Hugging Face step is the course's run_step, which divides each micro-batch's loss by k: two
+    micro-batches of one row leave the gradients of one batch of two rows (the model's loss is the mean over a
+    micro-batch's tokens, the same number in each), not twice them."""
+    from anatomy_helpers.prediction.hf_step import hf_plan, make_hf_optimizer
+    from anatomy_helpers.step import run_step
+
+    cfg = tiny_config("llama-3.2-1b")
+    grads = {}
+    for k in (1, 2):
+        ft = FineTune(batch_size=2, micro_batches=k)
+        torch.manual_seed(0)
+        model = make_hf_model(cfg, ft)
+        run_step(model, make_hf_optimizer(model, ft), hf_plan(cfg.vocab_size, ft, optimizer_step=False), 0)
+        grads[k] = {name: p.grad for name, p in model.named_parameters()}
+    assert grads[1].keys() == grads[2].keys() and all(g is not None for g in grads[2].values())
+    for name, whole in grads[1].items():
+        torch.testing.assert_close(grads[2][name], whole, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_mixture_of_experts_routing_is_refused_where_it_makes_shapes():
@@ -217,7 +238,8 @@ PROFILED = [  # a dense model with LoRA and eager attention, and the mixture of 
 @pytest.mark.parametrize("name, fields", PROFILED)
 def test_tracker_agrees_with_torch_profiler_on_hf_models(name, fields, tmp_path):
     """As tests/test_profiler_agreement.py: two warm-up steps, one tracked, the next profiled; peaks within 0.5 %."""
-    from anatomy_helpers.prediction.hf_step import hf_batch, hf_step, make_hf_optimizer
+    from anatomy_helpers.prediction.hf_step import hf_batch, hf_plan, make_hf_optimizer
+    from anatomy_helpers.step import run_step
     from anatomy_helpers.tracking.tracker import StepTracker
 
     from .test_profiler_agreement import BOUND, profiled_peaks
@@ -227,10 +249,11 @@ def test_tracker_agrees_with_torch_profiler_on_hf_models(name, fields, tmp_path)
     torch.manual_seed(0)
     model = make_hf_model(cfg, ft)
     opt = make_hf_optimizer(model, ft)
+    plan = hf_plan(cfg.vocab_size, ft)  # step i trains on hf_batch(..., i)
     for i in range(2):
-        hf_step(model, opt, hf_batch(cfg.vocab_size, ft, i), ft)
+        run_step(model, opt, plan, i)
     with StepTracker(model, opt) as tracker:
-        hf_step(model, opt, hf_batch(cfg.vocab_size, ft, 2), ft)
+        run_step(model, opt, plan, 2)
     trace = tracker.trace
     ours = {"step": trace.peak().bytes} | {p: trace.peak(phase=p).bytes for p in ("forward", "backward", "optimizer")}
     # profiled_peaks runs the course's step, model(x, y)[1] then backward and the optimizer: the HF loss in its place

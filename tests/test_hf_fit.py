@@ -1,4 +1,5 @@
-"""Will a Hugging Face fine-tune fit (prediction/hf_fit.py): the dry run's report, per rank the ZeRO formulas'."""
+"""Will a Hugging Face fine-tune fit (prediction/hf_fit.py on one device; distributed/hf_fit.py per rank: a dry run
+of one rank of the sharded step, by the engine the course GPT's ranks use)."""
 
 import pytest
 import torch
@@ -6,12 +7,15 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from anatomy_helpers.distributed.fake_world import STEP_BYTES, fsdp_rows, zero1_partition  # noqa: E402
+from anatomy_helpers.distributed.hf_fit import ZERO_STRATEGIES, dry_run_hf_rank, will_it_fit_hf  # noqa: E402
 from anatomy_helpers.prediction.devices import get_device  # noqa: E402
 from anatomy_helpers.prediction.fit import STEP_PHASES  # noqa: E402
 from anatomy_helpers.prediction.hf import tiny_config  # noqa: E402
-from anatomy_helpers.prediction.hf_fit import rank_states, will_it_fit_hf  # noqa: E402
 from anatomy_helpers.prediction.hf_step import FineTune, dry_run_hf, make_hf_model  # noqa: E402
 from anatomy_helpers.tracking.events import CATEGORIES  # noqa: E402
+
+from .conftest import THREADS  # noqa: E402
 
 FULL = FineTune()
 LORA = FineTune(method="lora", dtype="bfloat16", lora_rank=4)
@@ -40,46 +44,112 @@ def test_the_report_holds_the_dry_runs_peaks_and_its_verdict_follows_the_device(
     assert not too_small.fits and "DOES NOT FIT" in too_small.verdict()
 
 
-@pytest.mark.parametrize("ft", [FULL, LORA], ids=["full", "lora"])
-def test_per_rank_model_states_are_the_zero_formulas_of_the_trainable_parameters(runs, ft):
-    cfg, traces = runs
-    trace, n = traces[ft], 4
+QWEN = tiny_config("qwen2.5-7b")  # the architecture of the shipped 7B (benchmarks/hf_rank_fit.py runs it whole)
+FOREACH = FineTune(foreach=True)  # the CLI's default implementation: the temporaries of all parameters at once
+
+
+@pytest.fixture(scope="module")
+def qwen_ranks():
+    torch.set_num_threads(THREADS)
+    return {zero: dry_run_hf_rank(QWEN, FOREACH, 4, zero).result for zero in range(4)}
+
+
+def _rank_states_by_hand(model, zero: int, n: int) -> dict[str, int]:
+    """Rank 0's model states before its optimizer step under ZeRO stage ``zero`` at ``n`` ranks, from the real
+    model's tensors and the rules lesson 08 found (fake_world.model_states_rule): AdamW's two moments per element
+    held and a 4-byte step per parameter it updates; ZeRO-1 updates torch's partition (zero1_partition); FSDP2
+    keeps dim 0 of each parameter and gradient padded to ceil(dim0 / n) rows, every rank a step per parameter."""
+    params = list(model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # filed as parameters by the tracker
+    size = [p.numel() * p.element_size() for p in params]
+    if zero < 2:
+        mine = zero1_partition([p.numel() for p in params], n)[0] if zero == 1 else range(len(params))
+        state = sum(2 * size[i] + STEP_BYTES for i in mine)
+        return {"parameters": sum(size) + buffers, "gradients": sum(size), "optimizer_state": state}
+    padded = [fsdp_rows(p.shape[0], n, 0)[1] * (s // p.shape[0]) for p, s in zip(params, size)]
+    held = [fsdp_rows(p.shape[0], n, 0)[0] * (s // p.shape[0]) for p, s in zip(params, size)]
+    state = sum(2 * h for h in held) + STEP_BYTES * len(params)
+    return {"parameters": sum(padded) + buffers, "gradients": sum(padded), "optimizer_state": state}
+
+
+def test_a_hf_rank_holds_the_sharded_model_states_of_each_zero_stage(qwen_ranks):
     torch.manual_seed(0)
-    model = make_hf_model(cfg, ft)  # the real model: what each rank holds, counted from its tensors
-    # the tracker files buffers (the rotary frequencies) as parameters at rest
-    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    grads = sum(p.numel() * p.element_size() for p in trainable)
-    state = 2 * grads + 4 * len(trainable)  # AdamW: exp_avg and exp_avg_sq like the parameter, a float32 step
-    for zero in range(4):
-        states = rank_states(trace, n, zero)
-        assert states.whole == {"parameters": params, "gradients": grads, "optimizer_state": state}
-        expected = {
-            "parameters": params / (n if zero >= 3 else 1),
-            "gradients": grads / (n if zero >= 2 else 1),
-            "optimizer_state": state / (n if zero >= 1 else 1),
-        }
-        assert states.per_rank == expected, zero
+    model = make_hf_model(QWEN, FOREACH)
+    for zero, result in qwen_ranks.items():
+        held = {c: result.model_states[c] for c in ("parameters", "gradients", "optimizer_state")}
+        assert held == _rank_states_by_hand(model, zero, 4), zero
+        assert result.strategy == ZERO_STRATEGIES[zero] and result.backend == "fake" and result.world_size == 4
 
 
-def test_per_rank_reports_shrink_the_model_states_and_keep_the_activations(runs):
-    cfg, traces = runs
-    trace = traces[FULL]
-    single = will_it_fit_hf(cfg, FULL, "t4", trace=trace)
-    ddp = will_it_fit_hf(cfg, FULL, "t4", world_size=4, trace=trace)
-    assert ddp.phases == single.phases and "under ddp" in ddp.note  # DDP keeps every model state whole
-    reports = [will_it_fit_hf(cfg, FULL, "t4", world_size=4, zero=z, trace=trace) for z in (1, 2, 3)]
-    for before, after in zip([ddp, *reports], reports):
-        assert all(b.tensors >= a.tensors for b, a in zip(before.phases, after.phases))
-    zero3 = reports[-1]
-    end = trace.phases()[-1].at_end  # after step 2: parameters and optimizer state at rest, whole
-    last = trace.timeline.bytes[-1]  # the same moment on the timeline
-    rows = len(trace.allocation_record().bytes)  # each scaled allocation is rounded to a whole byte
-    step2_optimizer = zero3.phases[-1].breakdown
-    for category in ("parameters", "optimizer_state"):
-        assert last[CATEGORIES.index(category)] == end[category]
-        assert abs(step2_optimizer[category] - end[category] / 4) <= rows, category
-    assert "not a dry run of the sharded step" in zero3.note and "zero_model_states" in zero3.note
+def test_zero2s_optimizer_temporaries_are_a_shards_not_the_whole_models(qwen_ranks):
+    """The formula path divided the model states of a one-device dry run and kept its optimizer temporaries whole
+    (the 7B at ZeRO-2 on 4 ranks: 14.19 GiB of them, a false 39.01 GiB peak in the optimizer phase). The rank's own
+    dry run holds foreach AdamW's temporaries of its shards: a quarter of the one-device step's, with padding."""
+    one = dry_run_hf(QWEN, FOREACH)
+    temporaries = CATEGORIES.index("temporaries")
+
+    def optimizer_temporaries(trace) -> int:
+        phase = trace.phase(2, "optimizer")
+        return int(trace.timeline.bytes[phase.start : phase.end + 1, temporaries].max())
+
+    whole = optimizer_temporaries(one)
+    zero2 = qwen_ranks[2]
+    sharded = optimizer_temporaries(zero2.trace)
+    states = zero2.model_states
+    assert (
+        whole / 4
+        <= sharded
+        <= whole / 4
+        + states["parameters"]
+        - _rank_states_by_hand(make_hf_model(QWEN, FOREACH), 2, 1)["parameters"] / 4
+        + 4 * 1024
+    ), (whole, sharded)
+    report = will_it_fit_hf(QWEN, FOREACH, "h100", world_size=4, zero=2)
+    assert report.phases[-1].tensors == zero2.trace.peak(step=2, phase="optimizer").bytes
+    assert report.peak.tensors == zero2.trace.peak().bytes < one.peak().bytes
+    assert "fake process group" in report.note and "ZeRO-2" in report.note
+
+
+def test_the_course_gpt_and_a_hf_model_go_through_the_same_rank_function(monkeypatch):
+    """dry_run_rank (the course GPT, lesson 08's tables) and dry_run_hf_rank both run ranks.run_job on the fake
+    process group: the HF model with its Trainee, the course GPT without."""
+    from anatomy_helpers.distributed import fake_world
+    from anatomy_helpers.distributed.ranks import RankJob, RankResult
+
+    from .conftest import SMALL
+
+    seen = []
+    run_job = fake_world.run_job
+
+    def spy(job, rank, world_size, device, **kw):
+        seen.append((type(kw["gpt"]).__name__, kw["trainee"] is not None, world_size))
+        return run_job(job, rank, world_size, device, **kw)
+
+    monkeypatch.setattr(fake_world, "run_job", spy)
+    course = fake_world.dry_run_rank(RankJob("zero1", steps=2, warmup=1, batch_size=2, model=dict(SMALL)), 2, 0)
+    hf = dry_run_hf_rank(QWEN, FineTune(batch_size=1), 2, 1)
+    assert [s for s in seen if s[0] == "GPT"][0] == ("GPT", False, 2)
+    assert [s for s in seen if s[0] != "GPT"][0] == ("Qwen2ForCausalLM", True, 2)
+    for run in (course, hf):
+        assert isinstance(run.result, RankResult) and run.result.strategy == "zero1"
+        assert run.result.trace.training_steps() == [1, 2] and run.result.collectives
+
+
+def test_the_cli_and_the_python_api_give_one_ranks_numbers(tmp_path, capsys):
+    """``predict --hf`` at --world-size 4 --zero 2 prints the numbers will_it_fit_hf returns, phase by phase."""
+    import json
+
+    from anatomy_helpers.cli import main
+
+    QWEN.to_json_file(tmp_path / "config.json")
+    args = ["predict", "--hf", str(tmp_path), "--seq-len", "16", "--batch-size", "2", "--dtype", "float32"]
+    assert main([*args, "--impl", "foreach", "--world-size", "4", "--zero", "2", "--gpu", "h100", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    report = will_it_fit_hf(str(tmp_path), FOREACH, "h100", world_size=4, zero=2)
+    assert answer["phases"] == [
+        dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved) for p in report.phases
+    ]
+    assert answer["peak_breakdown_bytes"] == report.peak.breakdown and answer["note"] == report.note
 
 
 @pytest.mark.parametrize(
@@ -108,19 +178,19 @@ def test_the_flop_count_from_one_and_two_layers_is_the_whole_models():
 
 
 def test_cheapest_fix_hf_ranks_dry_run_candidates(runs):
+    from anatomy_helpers.distributed.hf_fit import cheapest_fix_hf
     from anatomy_helpers.prediction.fixes import EFFECTS
-    from anatomy_helpers.prediction.hf_fixes import cheapest_fix_hf
 
     cfg, _ = runs
     ft = FineTune(dtype="bfloat16", fused=True)  # candidates: 2 micro-batches, checkpointing, ZeRO-1/2/3, LoRA
     trace = dry_run_hf(cfg, ft)
     device = get_device("h100").context + trace.peak().bytes - 1  # the request itself does not fit
-    assert not will_it_fit_hf(cfg, ft, device, world_size=2, trace=trace).fits
+    assert not will_it_fit_hf(cfg, ft, device, world_size=2).fits
     fixes = cheapest_fix_hf(cfg, ft, device, world_size=2)
     by_name = {f.name: f for f in fixes}
     assert set(by_name) == {"micro-batch 1 x 2", "gradient checkpointing", "ZeRO-1", "ZeRO-2", "ZeRO-3", "LoRA r=16"}
-    zero3 = will_it_fit_hf(cfg, ft, device, world_size=2, zero=3, trace=trace)
-    assert by_name["ZeRO-3"].report.phases == zero3.phases  # the request's own dry run, per rank
+    zero3 = will_it_fit_hf(cfg, ft, device, world_size=2, zero=3)
+    assert by_name["ZeRO-3"].report.phases == zero3.phases  # the request's own fine-tune, rank 0 under ZeRO-3
     assert by_name["micro-batch 1 x 2"].extra_flops == 0 and by_name["gradient checkpointing"].extra_flops > 0
     ranks = [(not f.fits, EFFECTS.index(f.effect)) for f in fixes]
     assert ranks == sorted(ranks)  # what fits first, then by what it changes (tiny: 2 MiB segments decide "fits")

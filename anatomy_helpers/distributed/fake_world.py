@@ -130,19 +130,31 @@ def dry_run_rank(job: RankJob, world_size: int, rank: int = 0) -> FakeRun:
 
     _check(job, world_size, rank)
     cfg = ModelConfig(**job.model)  # a bad config fails here
-    run, calls = _fake_rank(job, cfg, world_size, rank)
+    run, calls = fake_rank(
+        job, world_size, rank, lambda: GPT(cfg), lambda step: course_batch(job.batch_size, cfg.seq_len)
+    )
 
     def twin_calls() -> dict:
         twin = _small_twin(cfg)
         small = dataclasses.replace(job, model=dataclasses.asdict(twin))
-        return _fake_rank(small, twin, world_size, rank)[1]
+        return fake_rank(
+            small, world_size, rank, lambda: GPT(twin), lambda step: course_batch(small.batch_size, twin.seq_len)
+        )[1]
 
     _check_ops(calls, f"rank {rank} of {world_size} ({job.strategy})", twin_calls)
     return run
 
 
-def _fake_rank(job: RankJob, cfg: ModelConfig, world_size: int, rank: int) -> tuple[FakeRun, dict]:
-    """The dry run itself: (the FakeRun, the op calls to check, without the collectives)."""
+def fake_rank(
+    job: RankJob, world_size: int, rank: int, build, batch, *, trainee=None, mode=None, around=None
+) -> tuple[FakeRun, dict]:
+    """The dry run of one rank, whatever it trains: (the FakeRun, the op calls to check, without the collectives).
+
+    On the fake process group, the model ``build()`` makes (on the meta device, then fake: dryrun.build_fake_model)
+    runs :func:`~anatomy_helpers.distributed.ranks.run_job` with ``batch(i)``, step ``i``'s global batch, made in
+    the fake mode. The course GPT (:func:`dry_run_rank`) and a Hugging Face fine-tune (distributed/hf_fit.py,
+    ``trainee``: ranks.Trainee) both come here. ``mode``: the fake mode (a CheckedFakeTensorMode; default a new
+    one); ``around``: a context the job runs inside, in the fake mode."""
     from ..prediction.fake_check import CheckedFakeTensorMode
 
     start = time.perf_counter()
@@ -151,8 +163,8 @@ def _fake_rank(job: RankJob, cfg: ModelConfig, world_size: int, rank: int) -> tu
     interrupt.start()
     try:
         with fake_process_group(world_size, rank):
-            mode = CheckedFakeTensorMode()
-            gpt = build_fake_model(lambda: GPT(cfg), mode)
+            mode = CheckedFakeTensorMode() if mode is None else mode
+            model = build_fake_model(build, mode)
             mode.calls.clear()  # making the fake model is the dry run's own doing
             mesh = None
             if job.strategy.startswith("fsdp"):  # made outside the fake mode: it reads the ranks' values
@@ -163,16 +175,9 @@ def _fake_rank(job: RankJob, cfg: ModelConfig, world_size: int, rank: int) -> tu
                 from .mesh2d import make_mesh
 
                 mesh = make_mesh("cpu", world_size, job.tp)
-            with mode:
-                result = run_job(
-                    job,
-                    rank,
-                    world_size,
-                    torch.device("cpu"),
-                    gpt=gpt,
-                    mesh=mesh,
-                    batch=lambda step: course_batch(job.batch_size, cfg.seq_len),
-                )
+            with mode, around if around is not None else contextlib.nullcontext():
+                cpu = torch.device("cpu")
+                result = run_job(job, rank, world_size, cpu, gpt=model, mesh=mesh, batch=batch, trainee=trainee)
     finally:
         interrupt.stop()
     calls = {key: call for key, call in mode.calls.items() if call.func.namespace not in COLLECTIVE_NAMESPACES}

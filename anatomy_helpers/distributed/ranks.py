@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -265,17 +266,43 @@ class _BufferSpy(TorchDispatchMode):
         return [t for ref in self.refs.values() if (t := ref()) is not None]
 
 
-def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
-    """(module to call, course GPT, optimizer) for ``job.strategy``.
+@dataclass(frozen=True)
+class Trainee:
+    """What a rank trains when not the course GPT (a Hugging Face fine-tune, distributed/hf_fit.py), the model being
+    run_job's ``gpt``: ``blocks(model)``, the modules FSDP2 shards one by one before the root (the GPT's ``blocks``);
+    ``optimizer(params, **optimizer_kwargs)`` over the parameters that train (ZeRO-1: the inner optimizer of
+    ZeroRedundancyOptimizer); ``plan``: more StepPlan fields of its step (``loss``, ``autocast``)."""
+
+    blocks: Callable[[torch.nn.Module], list[torch.nn.Module]]
+    optimizer: type
+    optimizer_kwargs: dict
+    plan: dict
+
+
+def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None, trainee: Trainee | None = None):
+    """(module to call, the model, optimizer) for ``job.strategy``: the course GPT, or ``trainee``'s ``gpt``.
 
     ``gpt``: a model already built (a dry run's fake one, fake_world.py) instead of ``make_model``'s; DDP then skips
     its start-up check and broadcast of the weights (``init_sync=False``: they read values a fake tensor lacks; what
     they allocate is freed before the first step). ``mesh``: FSDP2's device mesh (a dry run makes it outside the
     fake mode); None: one dimension of all ranks, on this rank's device."""
-    from ..train import make_model, make_optimizer
+    from ..train import make_model
 
     fake = gpt is not None
     gpt = make_model(device=device, seed=0, **job.model) if gpt is None else gpt
+    if trainee is not None and job.strategy not in STRATEGIES:
+        raise ValueError(f"a Trainee runs under {tuple(STRATEGIES)}, not {job.strategy!r} (the course GPT's TP plan)")
+    course = (torch.optim.AdamW, dict(lr=LR, weight_decay=WEIGHT_DECAY))  # train.make_optimizer's "adamw"
+    cls, kw = course if trainee is None else (trainee.optimizer, trainee.optimizer_kwargs)  # ZeRO-1: the inner one
+
+    def optimizer(zero1: bool = False):  # over the parameters that train, once the wrapper has made them
+        trains = [p for p in gpt.parameters() if p.requires_grad]
+        if not zero1:
+            return cls(trains, **kw)
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imported here: it warns about torch.jit
+
+        return ZeroRedundancyOptimizer(trains, optimizer_class=cls, **kw)
+
     ids = [device.index] if device.type == "cuda" else None
     if job.strategy in ("ddp", "ddp_bucket_view", "zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -284,22 +311,15 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
             gpt, device_ids=ids, gradient_as_bucket_view=job.strategy == "ddp_bucket_view", init_sync=not fake
         )
         if fake:
-            wrapped.register_comm_hook(None, _fake_allreduce_hook)
-            wrapped.reducer = _KeepBuckets(wrapped.reducer)
-        if job.strategy == "zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
+            from .fake_ddp import fake_ddp
 
-            opt = ZeroRedundancyOptimizer(
-                gpt.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY
-            )
-        else:
-            opt = make_optimizer(gpt, "adamw", lr=LR)
-        return wrapped, gpt, opt
+            fake_ddp(wrapped)
+        return wrapped, gpt, optimizer(zero1=job.strategy == "zero1")
     if job.strategy in MESH_STRATEGIES:
         from .mesh2d import make_mesh, parallelize_2d
 
         parallelize_2d(gpt, mesh if mesh is not None else make_mesh(device.type, dist.get_world_size(), job.tp))
-        return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
+        return gpt, gpt, optimizer()
     from torch.distributed.device_mesh import init_device_mesh
 
     # On the rank's device: fully_shard's default mesh is on the GPU, and sets GPU LOCAL_RANK even for a gloo rank.
@@ -308,44 +328,14 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None):
         from .tp_plan import parallelize_gpt
 
         parallelize_gpt(gpt, mesh, sequence_parallel=job.strategy == "tp_sp")
-        return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
+        return gpt, gpt, optimizer()
     from torch.distributed.fsdp import fully_shard
 
     reshard = job.strategy == "fsdp2_zero3"
-    for block in gpt.blocks:
+    for block in gpt.blocks if trainee is None else trainee.blocks(gpt):
         fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
     fully_shard(gpt, reshard_after_forward=reshard, mesh=mesh)
-    return gpt, gpt, make_optimizer(gpt, "adamw", lr=LR)
-
-
-def _fake_allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default gradient all-reduce (divide the bucket by N, all-reduce it in place) as a comm hook whose
-    future holds the bucket: a fake process group's own future holds nothing, which DDP's C++ side rejects."""
-    buffer = bucket.buffer()
-    buffer.div_(dist.get_world_size())
-    dist.all_reduce(buffer)
-    done = torch.futures.Future()
-    done.set_result(buffer)
-    return done
-
-
-# DDP checks the annotation itself, which `from __future__ import annotations` turned into a string
-_fake_allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
-
-
-class _KeepBuckets:
-    """A DDP reducer that keeps its first bucket assignment: a real one rebuilds its buckets once, in the order the
-    first backward made the gradients, and agrees on it by broadcasting the indices from rank 0, which reads values
-    a fake tensor lacks. Same bytes in its buckets either way (every gradient once), made before the first step."""
-
-    def __init__(self, reducer):
-        self._reducer = reducer
-
-    def _rebuild_buckets(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._reducer, name)
+    return gpt, gpt, optimizer()
 
 
 def _fsdp_buffers(gpt) -> list[torch.Tensor]:
@@ -362,19 +352,29 @@ def _fsdp_buffers(gpt) -> list[torch.Tensor]:
 
 
 def run_job(
-    job: RankJob, rank: int, world_size: int, device: torch.device, *, gpt=None, mesh=None, batch=None
+    job: RankJob,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    *,
+    gpt=None,
+    mesh=None,
+    batch=None,
+    trainee: Trainee | None = None,
 ) -> RankResult:
     """Run ``job`` on this rank of the initialised process group and measure it.
 
     A dry run (fake_world.py) passes its fake ``gpt``, FSDP2's ``mesh`` and ``batch(i)``, the global batch of step
-    ``i`` (fake tensors shaped and allocated as the course batches are); the step itself is the same."""
+    ``i`` (fake tensors shaped and allocated as the course batches are); the step itself is the same. ``trainee``:
+    ``gpt`` is not the course GPT but this (:class:`Trainee`)."""
     from ..train import track_steps
 
     if job.fault is not None and rank == job.fault_rank:
         _fail(job.fault)
     dist.barrier()
-    wrapped, gpt, opt = _wrap(job, device, gpt, mesh)
+    wrapped, gpt, opt = _wrap(job, device, gpt, mesh, trainee)
     step = {} if batch is None else {"batch": batch, "read_loss": False}  # a fake loss has no value to read
+    step |= trainee.plan if trainee is not None else {}
     data_rank, data_ranks = (0, 1) if job.strategy in TP_STRATEGIES else (rank, world_size)  # TP: the same rows
     if job.strategy in MESH_STRATEGIES:  # a node's tp ranks train the same rows: one data-parallel rank per node
         data_rank, data_ranks = rank // job.tp, world_size // job.tp

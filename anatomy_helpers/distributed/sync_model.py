@@ -301,14 +301,18 @@ def gradient_ready_order(model, batch: Sequence) -> list[int]:
     """Indices of ``model``'s parameters in the order backward finishes their gradients (one forward and backward
     of ``batch``, the course loss): the order DDP's reducer records in its first backward (it hooks the same
     gradient accumulators, ``register_post_accumulate_grad_hook``). Runs on meta tensors too."""
-    from ..step import gpt_loss
+    import torch
+
+    from ..step import StepPlan, run_step
 
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}
     order: list[int] = []
     handles = [p.register_post_accumulate_grad_hook(lambda p: order.append(index[id(p)])) for p in params]
+    # the course's step stopped after backward: its optimizer is never stepped (and holds no state)
+    plan = StepPlan(batch=lambda i: batch, optimizer_step=False, read_loss=False)
     try:
-        gpt_loss(model, batch).backward()
+        run_step(model, torch.optim.SGD(params), plan, 0)
     finally:
         for h in handles:
             h.remove()

@@ -27,6 +27,7 @@ import torch
 from ..checks import positive_int
 from ..model import GPT, ModelConfig
 from ..prediction.formulas import korthikanti_terms
+from ..step import StepPlan, run_step
 from .tp_plan import check_tp, parallelize_gpt
 
 #: The formula terms each rank holds 1/t of under plain TP (inside the column/row-split GEMM pairs); the others
@@ -153,7 +154,6 @@ def tp_dry_run(cfg: ModelConfig, t: int, *, sequence_parallel: bool = False, bat
 
     from ..prediction.dryrun import _check_ops, _small_twin, build_fake_model, course_batch
     from ..prediction.fake_check import CheckedFakeTensorMode
-    from ..step import StepPlan, run_step
     from ..train import make_optimizer
     from .fake_world import COLLECTIVE_NAMESPACES, _check_free, fake_process_group
     from .ranks import RankTracker
@@ -337,9 +337,9 @@ class TPEqualityJob:
         split.load_state_dict(whole.state_dict())
         parallelize_gpt(split, init_device_mesh(device.type, (world_size,)), self.sequence_parallel)
         x, y = get_batch(self.batch_size, cfg.seq_len, device=device)
-        losses = [model(x, y)[1] for model in (split, whole)]
-        for loss in losses:
-            loss.backward()
+        # the course's step stopped after backward (gradients kept, no optimizer step): its loss, read
+        plan = StepPlan(batch=lambda i: (x, y), optimizer_step=False)
+        losses = [run_step(model, torch.optim.SGD(model.parameters()), plan, 0) for model in (split, whole)]
         order = qkv_rank_order(cfg.d_model, world_size, cfg.kv_heads * cfg.head_dim).to(device)
         reference = dict(whole.named_parameters())
         error = 0.0
@@ -348,7 +348,7 @@ class TPEqualityJob:
             ref = reference[name].grad
             ref = ref[order] if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias") else ref
             error = max(error, ((grad - ref).abs().max() / ref.abs().max()).item())
-        return TPEquality(self.strategy, rank, losses[0].item(), losses[1].item(), error, len(reference))
+        return TPEquality(self.strategy, rank, losses[0], losses[1], error, len(reference))
 
 
 def format_llama_terms(cfg: ModelConfig, b: int, degrees: tuple[int, ...] = (2, 8)) -> str:

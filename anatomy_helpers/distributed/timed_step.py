@@ -161,7 +161,7 @@ class _Timer(StepHooks):
     def backward(self, loss: torch.Tensor) -> None:
         if self.delay:
             time.sleep(self.delay)  # a slow device: its backward starts late, all of its gradients come late
-        loss.backward()
+        super().backward(loss)  # the step's own backward (step.StepHooks)
 
 
 def _sweep(sizes: Sequence[int], reps: int, busy: bool = False) -> dict[int, list[float]]:

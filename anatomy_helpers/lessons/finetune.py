@@ -1,7 +1,8 @@
 """Lesson 09, fine-tuning: what full, frozen and LoRA fine-tunes keep, tensor by tensor, on a tiny real Llama; where
 a real model's step peaks (the logits); what the rules of thumb would have said; the will-it-fit panel for
 Hugging Face models. The fine-tuning step itself, its dry run and its fit are in
-:mod:`anatomy_helpers.prediction.hf_step` and :mod:`anatomy_helpers.prediction.hf_fit`.
+:mod:`anatomy_helpers.prediction.hf_step`, :mod:`anatomy_helpers.prediction.hf_fit` and (per rank)
+:mod:`anatomy_helpers.distributed.hf_fit`.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed.hf_fit import dry_run_hf_rank, will_it_fit_hf
 from ..plots import plot_fit
 from ..prediction.formulas import korthikanti_layer_bytes
 from ..prediction.hf import hf_config, meta_parameters, tiny_config
-from ..prediction.hf_fit import MODEL_STATES, will_it_fit_hf
+from ..prediction.hf_fit import MODEL_STATES
 from ..prediction.hf_step import FineTune, dry_run_hf, make_hf_model
 from ..prediction.saved import first_savers, saved_rows
 from ..tables import Col, format_table
@@ -291,21 +293,26 @@ def panel_fine_tune(lora_rank: int, batch_size: int, seq_len: int) -> FineTune:
     )  # fmt: skip
 
 
-#: The dry runs this kernel made, by (the configuration as JSON, the fine-tune); at most :data:`KEEP` of them.
-_DRY_RUNS: dict[tuple[str, FineTune], Trace] = {}
+#: The dry runs this kernel made, by (the configuration as JSON, the fine-tune, world size, ZeRO stage); at most
+#: :data:`KEEP` of them.
+_DRY_RUNS: dict[tuple[str, FineTune, int, int], Trace] = {}
 KEEP = 32
 
 
-def dry_run(model, ft: FineTune) -> Trace:
-    """``dry_run_hf(model, ft, steps=2)``, made once per kernel for each configuration and fine-tune: the lesson's
+def dry_run(model, ft: FineTune, world_size: int = 1, zero: int = 0) -> Trace:
+    """``dry_run_hf(model, ft, steps=2)`` (``world_size > 1``: rank 0's under ZeRO stage ``zero``,
+    distributed/hf_fit.dry_run_hf_rank), made once per kernel for each configuration and fine-tune: the lesson's
     cells and its panel share them, so moving a control back to a value already seen replays that dry run
     instead of making it again. ``model``: anything hf.hf_config takes."""
     cfg = hf_config(model)
-    key = (cfg.to_json_string(), ft)
+    key = (cfg.to_json_string(), ft, world_size, zero if world_size > 1 else 0)
     if key not in _DRY_RUNS:
         if len(_DRY_RUNS) >= KEEP:
             del _DRY_RUNS[next(iter(_DRY_RUNS))]  # the oldest
-        _DRY_RUNS[key] = dry_run_hf(cfg, ft, steps=2)
+        if world_size == 1:
+            _DRY_RUNS[key] = dry_run_hf(cfg, ft, steps=2)
+        else:
+            _DRY_RUNS[key] = dry_run_hf_rank(cfg, ft, world_size, zero).result.trace
     return _DRY_RUNS[key]
 
 
@@ -326,7 +333,7 @@ def fit_panel_hf(
     ft = panel_fine_tune(lora_rank, batch_size, seq_len)
     report = will_it_fit_hf(
         model, ft, device, world_size=world_size, zero=zero if world_size > 1 else None,
-        trace=dry_run(model, ft),
+        trace=dry_run(model, ft, world_size, zero),
     )  # fmt: skip
     print(report.table())
     ranks = f", per rank of {world_size} under {'DDP' if zero == 0 else f'ZeRO-{zero}'}" if world_size > 1 else ""

@@ -6,11 +6,13 @@ Adam, SGD; single-tensor, foreach or fused) and what is trained: everything (``m
 the parameters under the ``freeze`` prefixes (``"frozen"``: ``requires_grad_(False)``), or LoRA adapters through
 ``peft`` (``"lora"``: ``LoraConfig(r, lora_alpha, target_modules)``; the base frozen, in ``dtype``).
 
-:func:`hf_step` is the step itself (the loop a training script writes: forward with ``labels`` so the model
-computes its own shifted cross-entropy, ``backward`` per micro-batch, ``optimizer.step()``, ``zero_grad``);
-:func:`track_hf` runs it for real under the StepTracker on a model with random weights, and :func:`dry_run_hf`
-runs the very same function on fake tensors (dryrun.py) at any size, checked op by op against the real kernels
-on a tiny twin of the configuration (hf.tiny_config): exact, or refused with a DryRunError naming the op.
+:func:`hf_plan` is the step itself, a :class:`~anatomy_helpers.step.StepPlan` run by the course's one
+:func:`~anatomy_helpers.step.run_step` (the loop a training script writes: forward with ``labels`` so the model
+computes its own shifted cross-entropy, :func:`hf_loss`, divided by the number of micro-batches; ``backward`` per
+micro-batch, ``optimizer.step()``, ``zero_grad``); :func:`track_hf` runs it for real under the StepTracker on a
+model with random weights, and :func:`dry_run_hf` runs the very same plan on fake tensors (dryrun.py) at any size,
+checked op by op against the real kernels on a tiny twin of the configuration (hf.tiny_config): exact, or refused
+with a DryRunError naming the op.
 
 What a dry run assumes about values it does not have: :data:`HF_ASSUMPTIONS`. Mixture of experts: the router
 picks experts from the data. transformers' ``grouped_mm`` experts (its default) sort the routed tokens by expert
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import sys
@@ -38,7 +41,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from ..checks import one_of, positive_int, positive_number
 from ..interrupts import DeferredInterrupt
-from ..step import AUTOCAST_CHOICES
+from ..step import AUTOCAST_CHOICES, StepPlan, run_step
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from .dryrun import DryRunError, _check_ops, build_fake_model
@@ -178,17 +181,22 @@ def make_hf_model(cfg, ft: FineTune) -> nn.Module:
     return model
 
 
+def hf_optimizer_spec(ft: FineTune) -> tuple[type[torch.optim.Optimizer], dict]:
+    """``ft.optimizer`` as (its class, its keyword arguments): what ZeRO-1's ZeroRedundancyOptimizer takes."""
+    impl = {"lr": ft.lr, "foreach": ft.foreach, "fused": ft.fused}
+    if ft.optimizer == "sgd":
+        return torch.optim.SGD, impl
+    if ft.optimizer == "momentum":
+        return torch.optim.SGD, impl | {"momentum": 0.9}
+    if ft.optimizer == "adam":
+        return torch.optim.Adam, impl
+    return torch.optim.AdamW, impl | {"weight_decay": 0.0}
+
+
 def make_hf_optimizer(model: nn.Module, ft: FineTune) -> torch.optim.Optimizer:
     """``ft.optimizer`` over the parameters that train (the others get no gradient and no state)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    impl = {"foreach": ft.foreach, "fused": ft.fused}
-    if ft.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=ft.lr, **impl)
-    if ft.optimizer == "momentum":
-        return torch.optim.SGD(params, lr=ft.lr, momentum=0.9, **impl)
-    if ft.optimizer == "adam":
-        return torch.optim.Adam(params, lr=ft.lr, **impl)
-    return torch.optim.AdamW(params, lr=ft.lr, weight_decay=0.0, **impl)
+    cls, kwargs = hf_optimizer_spec(ft)
+    return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 
 def hf_batch(vocab_size: int, ft: FineTune, step: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,38 +209,38 @@ def hf_batch(vocab_size: int, ft: FineTune, step: int, fake: bool = False) -> tu
     return ids, ids.clone()
 
 
-def hf_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, ft: FineTune) -> list[torch.Tensor]:
-    """One training step: per micro-batch (row slices of the batch, views) forward with ``labels`` (the model's
-    own shifted cross-entropy, divided by the number of micro-batches) and backward; then the optimizer step and
-    ``zero_grad(set_to_none=True)``. Returns the micro-batches' losses, detached."""
+def hf_loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A Hugging Face causal LM's loss: forward with ``labels``, so the model computes its own shifted
+    cross-entropy (``model(input_ids=..., labels=...).loss``); the output's logits die with it at once."""
     input_ids, labels = batch
-    k, rows = ft.micro_batches, ft.batch_size // ft.micro_batches
-    mixed = (
-        torch.autocast(input_ids.device.type, dtype=getattr(torch, ft.autocast))
-        if ft.autocast
-        else contextlib.nullcontext()
+    return model(input_ids=input_ids, labels=labels).loss
+
+
+def hf_plan(vocab_size: int, ft: FineTune, *, fake: bool = False, **fields) -> StepPlan:
+    """The fine-tuning step as a :class:`~anatomy_helpers.step.StepPlan`, run by the course's one
+    :func:`~anatomy_helpers.step.run_step`: step ``i``'s batch is ``hf_batch(vocab_size, ft, i, fake)``, split into
+    ``ft.micro_batches``
+    micro-batches (views), each forward under ``ft.autocast`` with :func:`hf_loss` divided by the number of
+    micro-batches, and backward; then the optimizer step and ``zero_grad(set_to_none=True)``. A ``fake`` step
+    reads no loss (a fake tensor has no value). ``fields``: more StepPlan fields (``optimizer_step``, ``rank``,
+    ``world_size``, ...)."""
+    return StepPlan(
+        batch_size=ft.batch_size,
+        micro_batches=ft.micro_batches,
+        autocast=ft.autocast,
+        read_loss=not fake,
+        batch=functools.partial(hf_batch, vocab_size, ft, fake=fake),
+        loss=hf_loss,
+        **fields,
     )
-    losses = []
-    for j in range(0, ft.batch_size, rows):
-        with mixed:
-            loss = model(input_ids=input_ids[j : j + rows], labels=labels[j : j + rows]).loss / k
-        loss.backward()
-        losses.append(loss.detach())
-        del loss
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return losses
 
 
 def _steps(model, optimizer, vocab_size: int, ft: FineTune, steps: int, *, fake: bool, kernel_scratch: bool) -> Trace:
-    """``steps`` tracked steps: the batch made inside the step, as a data loader hands it over."""
+    """``steps`` tracked steps of :func:`hf_plan`: the batch made inside the step, as a data loader hands it over."""
+    plan = hf_plan(vocab_size, ft, fake=fake)
     with StepTracker(model, optimizer, kernel_scratch=kernel_scratch, accumulate=ft.micro_batches > 1) as tracker:
         for i in range(steps):
-            batch = hf_batch(vocab_size, ft, i, fake=fake)
-            losses = hf_step(model, optimizer, batch, ft)
-            if not fake:
-                [x.item() for x in losses]
-            del losses, batch
+            run_step(model, optimizer, plan, i)
     return tracker.trace
 
 
@@ -323,6 +331,22 @@ class _NamingMode(CheckedFakeTensorMode):
 
 def _fake_run(cfg, ft: FineTune, steps: int):
     """The dry run: (its Trace, the op calls to check)."""
+
+    def run(mode, as_for_real):
+        model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
+        mode.calls.clear()  # making the fake model is the dry run's doing, not the step's
+        with mode, as_for_real:
+            optimizer = make_hf_optimizer(model, ft)
+            return _steps(model, optimizer, cfg.vocab_size, ft, steps, fake=True, kernel_scratch=False), mode.calls
+
+    return hf_dry_run(cfg, run)
+
+
+def hf_dry_run(cfg, run):
+    """``run(mode, as_for_real)`` as every dry run of ``cfg``'s model runs: in the checked fake ``mode`` (made
+    here), with ``as_for_real`` (a context: transformers made to take its real path, :data:`HF_ASSUMPTIONS`)
+    around the step, a Ctrl-C held to a safe point; returns what ``run`` returns. A fake kernel that refuses, a
+    shape made from values or transformers' tracing path seen on a fake tensor raise DryRunError naming it."""
     interrupt = DeferredInterrupt()  # see dryrun._run_fake: a Ctrl-C inside the fake mode would abort the process
     interrupt.start()
     quiet = logging.getLogger("torch._subclasses.fake_tensor").disabled  # it logs a refusing fake kernel's traceback
@@ -330,11 +354,7 @@ def _fake_run(cfg, ft: FineTune, steps: int):
     mode = _NamingMode()
     tracing_calls: list[str] = []
     try:
-        model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
-        mode.calls.clear()  # making the fake model is the dry run's doing, not the step's
-        with mode, _as_for_real(tracing_calls):
-            optimizer = make_hf_optimizer(model, ft)
-            trace = _steps(model, optimizer, cfg.vocab_size, ft, steps, fake=True, kernel_scratch=False)
+        out = run(mode, _as_for_real(tracing_calls))
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         op = getattr(e, "func", e)
         raise DryRunError(
@@ -370,7 +390,7 @@ def _fake_run(cfg, ft: FineTune, steps: int):
             f"(is_tracing, at {'; '.join(sorted(set(tracing_calls)))}): the dry run would not be the real step, so "
             "it is refused"
         )
-    return trace, mode.calls
+    return out
 
 
 def twin_config(cfg, ft: FineTune):
