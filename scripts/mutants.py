@@ -534,7 +534,9 @@ MUTANTS = [
         "step.py",
         "                    scaler.unscale_(optimizer)\n",
         "                    pass\n",
-        ("tests/test_step_contracts.py::test_clipping_under_a_grad_scaler_clips_the_unscaled_gradients_like_torchs_recipe",),
+        (
+            "tests/test_step_contracts.py::test_clipping_under_a_grad_scaler_clips_the_unscaled_gradients_like_torchs_recipe",
+        ),
     ),
     Mutant(
         "step.ddp-syncs-every-micro-batch",
