@@ -29,6 +29,15 @@ def positive_int(name: str, value, *, at_most: int | None = None) -> int:
     return int(value)
 
 
+def rank_of_world(rank, world_size, *, at_most: int | None = None) -> tuple[int, int]:
+    """``(rank, world_size)`` checked once for every data-parallel entry point: ``world_size`` an integer from 1
+    (to ``at_most`` if given), ``rank`` in ``[0, world_size)``."""
+    world_size = positive_int("world_size", world_size, at_most=at_most)
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size) = [0, {world_size}), got {rank!r}")
+    return int(rank), world_size
+
+
 def int_in(name: str, value, low: int, high: int, high_text: str | None = None) -> int:
     """``value`` as an int with ``low <= value < high`` (``high_text``: how the message writes ``high``)."""
     if not _is_int(value) or not low <= value < high:

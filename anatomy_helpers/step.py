@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from .checks import int_in, one_of, optional_callable, positive_int, positive_number
+from .checks import int_in, one_of, optional_callable, positive_int, positive_number, rank_of_world
 from .data import SEED_LIMIT, get_batch
 
 AUTOCAST_CHOICES = (None, "bfloat16", "float16")
@@ -200,11 +200,7 @@ class StepPlan:
         positive_int("batch_size", self.batch_size)
         positive_int("micro_batches", self.micro_batches)
         one_of("autocast", self.autocast, AUTOCAST_CHOICES)
-        positive_int("world_size", self.world_size)
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"rank must be in [0, world_size), got rank {self.rank!r} of world_size {self.world_size!r}"
-            )
+        rank_of_world(self.rank, self.world_size)
         int_in("seed", self.seed, 0, SEED_LIMIT, "2**32")
         int_in("first_batch", self.first_batch, 0, SEED_LIMIT, "2**32")
         for name in ("set_to_none", "optimizer_step", "read_loss"):

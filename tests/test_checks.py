@@ -68,3 +68,21 @@ def test_torch_at_least_reads_major_and_minor_and_says_how_to_upgrade():
         torch_at_least((2, 11), "a dry run of ranks", version="2.10.0+cu128")
     with pytest.raises(RuntimeError, match=r"pip install -U 'torch>=2\.9'"):
         torch_at_least((2, 9), "real ranks", version="2.6.0")
+
+
+@pytest.mark.parametrize(
+    "rank, world_size, why",
+    [
+        (0, 0, "world_size must be a positive integer"),
+        (2, 2, r"rank must be in \[0, world_size\) = \[0, 2\)"),
+        (-1, 2, "rank must be in"),
+        (True, 2, "rank must be in"),
+        (0, 5, "world_size must be an integer from 1 to 4"),
+    ],
+)
+def test_rank_of_world_is_the_one_check_of_a_rank_and_its_world(rank, world_size, why):
+    from anatomy_helpers.checks import rank_of_world
+
+    with pytest.raises(ValueError, match=why):
+        rank_of_world(rank, world_size, at_most=4 if world_size == 5 else None)
+    assert rank_of_world(1, 2) == (1, 2)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..checks import torch_at_least
+from ..checks import rank_of_world, torch_at_least
 from ..interrupts import DeferredInterrupt
 from ..model import GPT, ModelConfig
 from ..prediction.dryrun import build_fake_model, course_batch
@@ -77,10 +77,7 @@ class FakeRun:
 def _check(job: RankJob, world_size: int, rank: int, *, fake: bool = True) -> None:
     if not isinstance(job, RankJob):
         raise ValueError(f"job must be a RankJob, got {type(job).__name__}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be an integer from 1 to {MAX_WORLD_SIZE:,}, got {world_size!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size) = [0, {world_size}), got {rank!r}")
+    rank_of_world(rank, world_size, at_most=MAX_WORLD_SIZE)
     check_rows(job, world_size)  # a 2-D mesh: the N / tp nodes split the batch, a node's ranks share it
     if job.strategy in MESH_STRATEGIES:
         from .tp_plan import check_tp
