@@ -249,7 +249,7 @@ def _rows(plan: StepPlan, model: nn.Module, step: int, device: torch.device) -> 
 
 def run_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     plan: StepPlan,
     step: int,
     *,
@@ -266,6 +266,8 @@ def run_step(
     each parameter is stepped inside backward as its gradient lands, and no optimizer step follows.
     """
     hooks, k = plan.hooks, plan.micro_batches
+    if optimizer is None and plan.optimizer_step:
+        raise ValueError("run_step needs an optimizer unless the plan stops after backward (optimizer_step=False)")
     device = next(model.parameters()).device
     fused = isinstance(optimizer, OptimizerInBackward)
     if fused:
@@ -355,7 +357,8 @@ def step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, early_stop
     recompute its whole segment instead of stopping once it has remade every tensor backward needs
     (``torch.utils.checkpoint.set_checkpoint_early_stop``; True is torch's default). The gradients are dropped again.
     """
+    plan = StepPlan(batch_size=x.shape[0], batch=lambda _: (x, y), optimizer_step=False, read_loss=False)
     with set_checkpoint_early_stop(early_stop), FlopCounterMode(display=False) as counter:
-        gpt_loss(model, (x, y)).backward()
+        run_step(model, None, plan, 0)  # the one step, stopped after backward: no optimizer needed
     model.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
