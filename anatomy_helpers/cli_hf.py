@@ -15,7 +15,7 @@ from .cli_common import add_fit_options, device_of, fields_given, positive_int_a
 def build_hf_predict_parser() -> argparse.ArgumentParser:
     from .distributed.hf_fit import ZERO_STRATEGIES
     from .prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED
-    from .prediction.hf_step import OPTIMIZERS
+    from .train import OPTIMIZERS
 
     p = argparse.ArgumentParser(
         prog="python -m anatomy_helpers predict --hf",

@@ -194,3 +194,17 @@ def test_cheapest_fix_hf_ranks_dry_run_candidates(runs):
     assert by_name["micro-batch 1 x 2"].extra_flops == 0 and by_name["gradient checkpointing"].extra_flops > 0
     ranks = [(not f.fits, EFFECTS.index(f.effect)) for f in fixes]
     assert ranks == sorted(ranks)  # what fits first, then by what it changes (tiny: 2 MiB segments decide "fits")
+
+
+def test_one_optimizer_list_for_the_course_step_and_a_fine_tune():
+    from anatomy_helpers.cli_hf import build_hf_predict_parser
+    from anatomy_helpers.prediction import hf_step
+    from anatomy_helpers.train import OPTIMIZERS
+
+    assert hf_step.OPTIMIZERS is OPTIMIZERS  # one definition, not a second tuple that may drift
+    choices = next(a.choices for a in build_hf_predict_parser()._actions if a.dest == "optimizer")
+    assert tuple(choices) == OPTIMIZERS
+    for name in OPTIMIZERS:
+        assert FineTune(optimizer=name).optimizer == name
+    with pytest.raises(ValueError, match="optimizer"):
+        FineTune(optimizer="lion")
