@@ -179,7 +179,7 @@ def test_the_flop_count_from_one_and_two_layers_is_the_whole_models():
 
 def test_cheapest_fix_hf_ranks_dry_run_candidates(runs):
     from anatomy_helpers.distributed.hf_fit import cheapest_fix_hf
-    from anatomy_helpers.prediction.fixes import EFFECTS
+    from anatomy_helpers.prediction.levers import EFFECTS
 
     cfg, _ = runs
     ft = FineTune(dtype="bfloat16", fused=True)  # candidates: 2 micro-batches, checkpointing, ZeRO-1/2/3, LoRA
