@@ -145,7 +145,7 @@ def predict_main(argv: list[str]) -> int:
         parser.error(str(e))
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
     fixes = cheapest_fix(cfg, args.batch_size, micro_batches=args.micro_batches, **kw) if args.fix else []
-    print_fit(report, fixes, device, as_json=args.json)
+    print_fit(report, fixes, device, as_json=args.json, fix=args.fix)
     return 0
 
 

@@ -72,9 +72,14 @@ def fixes_answer(fixes) -> list[dict]:
     ]
 
 
-def print_fit(report, fixes, device, *, as_json: bool, **extra) -> None:
-    """Print a fit report and its ranked fixes: as tables, or (``as_json``) as one JSON object with ``extra``'s keys
-    added."""
+#: What ``--fix`` prints for a step that fits as it is (the catalogue's rule: nothing is ranked then).
+FITS_AS_IT_IS = "fits as it is: no change needed"
+
+
+def print_fit(report, fixes, device, *, as_json: bool, fix: bool = False, **extra) -> None:
+    """Print a fit report and its ranked fixes (``fix``: they were asked for): as tables, or (``as_json``) as one
+    JSON object with ``extra``'s keys added. A step that fits ranks no fix: ``fix`` then prints
+    :data:`FITS_AS_IT_IS`."""
     if as_json:
         import json
 
@@ -85,6 +90,8 @@ def print_fit(report, fixes, device, *, as_json: bool, **extra) -> None:
     print(report.table())
     if fixes:
         print(fixes_table(fixes))
+    elif fix and report.fits:
+        print(FITS_AS_IT_IS)
 
 
 def add_fit_options(p: argparse.ArgumentParser, *, gpu_default: str) -> None:

@@ -15,7 +15,7 @@ from .cli_common import add_fit_options, device_of, fields_given, positive_int_a
 def build_hf_predict_parser() -> argparse.ArgumentParser:
     from .distributed.hf_fit import ZERO_STRATEGIES
     from .prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED
-    from .prediction.hf_step import OPTIMIZERS
+    from .train import OPTIMIZERS
 
     p = argparse.ArgumentParser(
         prog="python -m anatomy_helpers predict --hf",
@@ -105,5 +105,14 @@ def hf_predict_main(argv: list[str]) -> int:
     except (ValueError, ImportError) as e:  # e.g. a --freeze prefix or a LoRA target the model does not have
         parser.error(str(e))
     fixes = cheapest_fix_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero) if args.fix else []
-    print_fit(report, fixes, device, as_json=args.json, world_size=args.world_size, zero=args.zero, note=report.note)
+    print_fit(
+        report,
+        fixes,
+        device,
+        as_json=args.json,
+        fix=args.fix,
+        world_size=args.world_size,
+        zero=args.zero,
+        note=report.note,
+    )
     return 0

@@ -636,6 +636,35 @@ MUTANTS = [
         'parser.exit(0, f"dry run refused: {e}\\n")',
         ("tests/test_cli_hf.py::test_predict_hf_refused_by_the_dry_run_exits_1_saying_why",),
     ),
+    # ---- one lever catalogue (prediction/levers.py, fixes.py: issue #40's ranking rules)
+    Mutant(
+        "levers.saving-nothing-kept",
+        "prediction/levers.py",
+        "return sorted((f for f in fixes if f.report.peak.tensors < base.peak.tensors), key=rank_key)",
+        "return sorted((f for f in fixes if f.report.peak.tensors <= base.peak.tensors), key=rank_key)",
+        ("tests/test_prediction.py::test_a_candidate_that_saves_nothing_is_dropped",),
+    ),
+    Mutant(
+        "fixes.fitting-step-ranked",
+        "prediction/fixes.py",
+        "    if base.fits:\n        return []",
+        "    if False:\n        return []",
+        ("tests/test_prediction.py::test_a_step_that_already_fits_ranks_no_fix",),
+    ),
+    Mutant(
+        "levers.dominant-filter-hides-time-only",
+        "prediction/levers.py",
+        'return not only_dominant or lever.effect == "time only" or category in lever.acts_on',
+        "return not only_dominant or category in lever.acts_on",
+        ("tests/test_levers.py::test_verify_levers_on_an_optimizer_bound_step_keeps_the_levers_that_keep_the_maths",),
+    ),
+    Mutant(
+        "levers.uncounted-recompute-ranked-free",
+        "prediction/levers.py",
+        "flops = math.inf if fix.extra_flops is None else round(fix.extra_flops, 3)",
+        "flops = 0 if fix.extra_flops is None else round(fix.extra_flops, 3)",
+        ("tests/test_prediction.py::test_sdpa_is_offered_where_the_manual_attentions_scores_do_not_fit",),
+    ),
 ]
 
 

@@ -143,10 +143,18 @@ def test_predict_options_reach_the_configuration(capsys):
     assert answer["capacity_bytes"] == 3 * 2**29 and answer["compute_capability"] is None
 
 
-def test_predict_prints_a_tiny_model_in_mib_and_ranks_fixes(capsys):
+def test_predict_prints_a_tiny_model_in_mib_and_says_it_needs_no_fix(capsys):
+    # issue #40: a step that fits ranks no change
     assert main([*PREDICT_TINY, "--gpu-gib", "0.6", "--fix"]) == 0
     out = capsys.readouterr().out
-    assert "(MiB;" in out and " 0.00 " not in out
-    assert "changes" in out and "time only" in out and "numerics" in out
-    # lesson 10's levers are candidates too
-    assert "optimizer step in backward" in out and "chunked loss (" in out and "bf16 optimizer state" in out
+    assert "(MiB;" in out and " 0.00 " not in out and "FITS" in out
+    assert "fits as it is: no change needed" in out and "rank" not in out
+
+
+def test_predict_ranks_the_catalogues_levers_where_the_step_does_not_fit(capsys):
+    # the default model at batch 8 (manual attention, s = 256: its scores dominate) on a 0.6 GiB device
+    args = ["predict", "--batch-size", "64", "--gpu-gib", "0.6", "--fix"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "changes" in out and "time only" in out
+    assert "sdpa attention" in out and "micro-batch " in out and "fits as it is" not in out

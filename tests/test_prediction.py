@@ -25,7 +25,9 @@ from anatomy_helpers.prediction.devices import (
 )
 from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config
 from anatomy_helpers.prediction.fit import FitRequest, will_it_fit
-from anatomy_helpers.prediction.fixes import EFFECTS, cheapest_fix, config_step_flops, fixes_table
+from anatomy_helpers.prediction.fixes import cheapest_fix, fixes_table
+from anatomy_helpers.prediction.flops import config_step_flops
+from anatomy_helpers.prediction.levers import EFFECTS, levers
 from anatomy_helpers.step import gpt_loss
 from anatomy_helpers.tracking.tracker import StepTracker
 
@@ -112,11 +114,17 @@ def test_verdict_names_the_first_phase_that_runs_out():
     assert tiny.failure[0] == 0 and "the model itself" in tiny.verdict()
 
 
+def _just_short(cfg, batch_size, **options) -> int:
+    """A device size (bytes) one byte short of ``cfg``'s peak of tensors: it does not fit, barely."""
+    return will_it_fit(cfg, batch_size, device=10**12, **options).peak.tensors - 1 + CUDA_CONTEXT_BYTES
+
+
 def test_micro_batch_bound_covers_real_gradient_accumulation():
     cfg = ModelConfig(**SMALL)
-    fixes = {f.name: f for f in cheapest_fix(cfg, 4, implementation="single", device=10**9)}
+    device = _just_short(cfg, 4, implementation="single")
+    fixes = {f.name: f for f in cheapest_fix(cfg, 4, implementation="single", device=device)}
     fix = fixes["micro-batch 2 x 2 (accumulate)"]
-    direct = will_it_fit(cfg, 4, implementation="single", device=10**9, micro_batches=2)
+    direct = will_it_fit(cfg, 4, implementation="single", device=device, micro_batches=2)
     assert direct.phases == fix.report.phases and "x 2 micro-batches" in direct.label
     model = make_model(device="cpu", **SMALL)
     opt = make_optimizer(model, "adamw", foreach=False)
@@ -149,7 +157,7 @@ def test_flops_need_no_recount_for_autocast_or_smaller_batches(changes):
 
 @pytest.mark.parametrize("policy", ["none", "full", "selective", "attention", "offload"])
 def test_flops_from_one_and_two_blocks_equal_the_full_count(policy):
-    from anatomy_helpers.prediction.fixes import _flops_of
+    from anatomy_helpers.prediction.flops import _flops_of
 
     for changes in ({}, {"block": "llama", "n_kv_head": 1, "attn_impl": "sdpa", "dropout": 0.1}):
         cfg = ModelConfig(**{**SMALL, "n_layer": 5, **changes}, checkpoint=policy)
@@ -160,46 +168,88 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
     cfg = ModelConfig(**SMALL)
     none, full = config_step_flops(cfg, 4), config_step_flops(ModelConfig(**SMALL, checkpoint="full"), 4)
     assert 1 < full / none < 4 / 3  # recomputing the blocks' forwards: at most one more forward (1/3 of the step)
-    fixes = cheapest_fix(cfg, 4, device=2 * 2**30)
-    assert all(f.fits for f in fixes[:-1] if fixes[-1].fits)  # fitting candidates come first
-    # on 2 GiB every fix fits. The ranking by hand: what changes only time first, the cheapest in FLOPs first
-    # (selective recomputes no matrix multiplication, a fused optimizer none either, and accumulating takes two
-    # micro-batches), then the attention core recomputed, then every block; then numerics, the global batch, the
-    # optimizer, in that order of how much they change training
-    names = [f.name for f in fixes]
-    assert all(f.fits for f in fixes)
-    assert EFFECTS == ("time only", "numerics", "global batch", "optimizer", "trained parameters")  # LoRA: hf_fixes
-    # (lesson 10's levers: the step in backward frees the gradients at no FLOP cost; the chunked loss recomputes
-    # the head's matmul, a small one at vocabulary 59; bf16 optimizer state changes the numerics)
-    assert set(names[:3]) == {"checkpoint=selective", "fused optimizer", "optimizer step in backward"}
-    assert names[3:6] == ["micro-batch 2 x 2 (accumulate)", "chunked loss (8 tokens)", "checkpoint=attention"]
-    assert names[6] == "checkpoint=full"
-    assert set(names[7:9]) == {"bf16 autocast", "bf16 optimizer state"}  # numerics, no extra FLOPs: by peak
-    assert names[9:] == ["batch 2 (smaller global batch)", "SGD with momentum"]
+    device = _just_short(cfg, 4)
+    base = will_it_fit(cfg, 4, device=device)
+    fixes = cheapest_fix(cfg, 4, device=device)
+    assert not base.fits and fixes
+    assert all(f.report.peak.tensors < base.peak.tensors for f in fixes)  # each one lowers the peak
+    # the ranking by hand: what fits first; then what changes only time, then numerics, the global batch, the
+    # optimizer; then extra FLOPs, a cost the count cannot see (None) after every counted one
+    fitting = [f.fits for f in fixes]
+    assert fitting == sorted(fitting, reverse=True)
+    for group in (fixes[: fitting.count(True)], fixes[fitting.count(True) :]):
+        order = [EFFECTS.index(f.effect) for f in group]
+        assert order == sorted(order)
+        for effect in set(order):
+            costs = [f.extra_flops for f in group if f.effect == effect]
+            counted = [c for c in costs if c is not None]
+            assert costs == counted + [None] * (len(costs) - len(counted))
+            assert [round(c, 3) for c in counted] == sorted(round(c, 3) for c in counted)
     extra = {f.name: f.extra_flops for f in fixes}
-    assert extra["checkpoint=selective"] == extra["fused optimizer"] == extra["micro-batch 2 x 2 (accumulate)"] == 0
-    assert extra["optimizer step in backward"] == extra["bf16 optimizer state"] == 0
+    assert extra.get("checkpoint=selective", None) is None and extra.get("sdpa attention", None) is None
     tokens, h, v = 4 * SMALL["seq_len"], SMALL["d_model"], cfg.vocab_size
-    assert extra["chunked loss (8 tokens)"] == pytest.approx(2 * tokens * h * v / none)  # the head, recomputed
-    assert 0 < extra["chunked loss (8 tokens)"] < extra["checkpoint=attention"] < extra["checkpoint=full"]
+    chunked = config_step_flops(ModelConfig(**SMALL, loss_chunk=8), 4)
+    assert chunked / none - 1 == pytest.approx(2 * tokens * h * v / none)  # the head's matmul, recomputed
     ck = next(f for f in fixes if f.name == "checkpoint=full")
     assert ck.extra_flops == pytest.approx(full / none - 1) and ck.effect == "time only"
-    assert {f.name: f.effect for f in fixes if not f.name.startswith("checkpoint")} == {
-        "micro-batch 2 x 2 (accumulate)": "time only",
-        "batch 2 (smaller global batch)": "global batch",
-        "fused optimizer": "time only",
-        "SGD with momentum": "optimizer",
-        "bf16 autocast": "numerics",  # a size alone: capability unknown, bf16 offered with a note
-        "optimizer step in backward": "time only",
-        "chunked loss (8 tokens)": "time only",
-        "bf16 optimizer state": "numerics",
-    }
-    assert "numerics" in fixes_table(fixes)
+    effects = {f.name: f.effect for f in fixes}
+    assert {e for n, e in effects.items() if n.startswith("micro-batch ")} == {"time only"}
+    assert {e for n, e in effects.items() if n.endswith("(smaller global batch)")} == {"global batch"}
+    assert effects.get("bf16 optimizer state", "numerics") == "numerics"
+    assert effects.get("SGD with momentum", "optimizer") == "optimizer"
+    assert "time only" in fixes_table(fixes)
     # every effect fits its column, the longest ("trained parameters", LoRA's) too: the notes stay aligned
     widest = dataclasses.replace(fixes[0], effect=max(EFFECTS, key=len))
     lines = fixes_table([widest, *fixes]).splitlines()
     starts = {line.index(f.note) for line, f in zip(lines[2:], [widest, *fixes]) if f.note}
     assert starts == {lines[0].index("note")}, lines
+
+
+def test_a_step_that_already_fits_ranks_no_fix():
+    # issue #40: on an H100 the step fit, yet predict --fix ranked 11 changes
+    cfg = ModelConfig(**SMALL)
+    assert will_it_fit(cfg, 4, device="h100").fits
+    assert cheapest_fix(cfg, 4, device="h100") == []
+
+
+def test_a_candidate_that_saves_nothing_is_dropped():
+    # issue #40: the fused optimizer and the step in backward saved 0 bytes of a backward-bound peak yet were
+    # ranked. On this logits-bound step (its peak in backward, the optimizer's temporaries long gone) the fused
+    # optimizer leaves the peak where it is: it is not offered
+    cfg = ModelConfig(n_layer=1, d_model=32, n_head=2, seq_len=64, vocab_size=4096)
+    device = _just_short(cfg, 4, implementation="single")
+    fused = will_it_fit(cfg, 4, implementation="fused", device=10**12).peak.tensors
+    plain = will_it_fit(cfg, 4, implementation="single", device=10**12).peak.tensors
+    assert fused == plain  # the lever saves nothing here, as measured by its own dry run
+    fixes = cheapest_fix(cfg, 4, implementation="single", device=device)
+    assert fixes and "fused optimizer" not in [f.name for f in fixes]
+    base = will_it_fit(cfg, 4, implementation="single", device=device)
+    assert all(f.report.peak.tensors < base.peak.tensors for f in fixes)
+
+
+def test_sdpa_is_offered_where_the_manual_attentions_scores_do_not_fit():
+    # issue #40: GPT-2 small at batch 8 on a T4 fits with --attn sdpa (10.56 GiB) but cheapest_fix never offered it.
+    # The same at a fraction of the cost: manual attention at s = 512 (its s^2 scores dominate the peak), on a device
+    # with a T4's compute capability between what sdpa and the manual attention reserve
+    cfg = ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=512, vocab_size=256)
+    sdpa = dataclasses.replace(cfg, attn_impl="sdpa")
+    need, need_sdpa = (max(p.reserved for p in will_it_fit(c, 4, device=10**12).phases) for c in (cfg, sdpa))
+    t4 = get_device("t4")
+    dev = Device("T4-sized", total=(need + need_sdpa) // 2 + t4.context, capability=t4.capability)
+    assert not will_it_fit(cfg, 4, device=dev).fits and will_it_fit(sdpa, 4, device=dev).fits
+    fixes = cheapest_fix(cfg, 4, device=dev)
+    offered = next(f for f in fixes if f.name == "sdpa attention")
+    assert (
+        offered.fits
+        and offered.effect == "time only"
+        and offered.report.label == will_it_fit(sdpa, 4, device=dev).label
+    )
+    # ranked among the fitting changes that keep training; its FLOPs are not counted (no formula for the CPU
+    # flash kernel), so it follows the counted ones of its effect
+    assert offered.extra_flops is None
+    at = fixes.index(offered)
+    assert all(fixes.index(f) < at for f in fixes if f.fits and not f.changes_training and f.extra_flops is not None)
+    assert all(fixes.index(f) > at for f in fixes if not f.fits or f.changes_training)
 
 
 def test_training_preserving_fixes_rank_first_and_the_t4_gets_fp16():
@@ -226,9 +276,9 @@ def test_training_preserving_fixes_rank_first_and_the_t4_gets_fp16():
     micro = t4[0]
     assert smaller.report.peak.tensors < micro.report.peak.tensors
     # which autocast is offered depends on the device alone: a small model shows it at a fraction of the cost
-    a100 = [f.name for f in cheapest_fix(ModelConfig(**SMALL), 2, device="a100-40")]
+    a100 = [lv.name for lv in levers(ModelConfig(**SMALL), device=get_device("a100-40"))]
     assert "bf16 autocast" in a100 and not any(n.startswith("fp16") for n in a100)
-    assert "fp16 autocast + GradScaler" in [f.name for f in cheapest_fix(ModelConfig(**SMALL), 2, device="t4")]
+    assert "fp16 autocast + GradScaler" in [lv.name for lv in levers(ModelConfig(**SMALL), device=get_device("t4"))]
 
 
 def test_bf16_on_a_t4_gets_a_note():

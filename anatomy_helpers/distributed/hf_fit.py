@@ -26,7 +26,6 @@ import torch.nn as nn
 from ..checks import one_of, positive_int
 from ..prediction.dryrun import _check_ops
 from ..prediction.fit import FitReport, size_text
-from ..prediction.fixes import Fix, _fix_sort_key
 from ..prediction.hf_fit import MODEL_STATES, check_request, describe_hf, fit_report_hf
 from ..prediction.hf_fixes import LORA_RANK, hf_step_flops
 from ..prediction.hf_step import (
@@ -41,6 +40,7 @@ from ..prediction.hf_step import (
     twin_config,
     twin_fine_tune,
 )
+from ..prediction.levers import Fix, ranked
 from ..tracking.trace import Trace
 from .fake_world import FakeRun, _check, fake_rank
 from .ranks import RankJob, Trainee
@@ -158,8 +158,9 @@ def cheapest_fix_hf(
     model, fine_tune: FineTune | None = None, device="a100-80", *, world_size: int = 1, zero: int | None = None
 ) -> list[Fix]:
     """Candidate changes of ``fine_tune`` on ``model``, each dry-run (per rank with ``world_size > 1``, as
-    :func:`will_it_fit_hf`), ranked as fixes.cheapest_fix ranks them (what fits first, then what they change, then
-    extra FLOPs, prediction/hf_fixes.hf_step_flops):
+    :func:`will_it_fit_hf`), ranked by the course's one key (prediction/levers.py: what fits first, then what
+    they change, then extra FLOPs, prediction/hf_fixes.hf_step_flops), by its rules: nothing where the step fits
+    as it is, and no candidate that does not lower the peak:
 
     * **micro-batches** (time only): 2, 4, ... dividing the batch, up to the first that fits;
     * **gradient checkpointing** (time only: recomputes the forward in backward);
@@ -171,6 +172,9 @@ def cheapest_fix_hf(
     """
     ft = FineTune() if fine_tune is None else fine_tune
     cfg, _ = _check_request(model, ft, device, world_size, zero)  # every argument, before any dry run
+    base = will_it_fit_hf(model, ft, device, world_size=world_size, zero=zero)
+    if base.fits:
+        return []  # no change needed (the catalogue's ranking rules: prediction/levers.py)
     base_flops = hf_step_flops(cfg, ft)
     fixes: list[Fix] = []
 
@@ -209,4 +213,4 @@ def cheapest_fix_hf(
                                    dtype="bfloat16" if ft.dtype == "float32" else ft.dtype)  # fmt: skip
         note = "trains adapters on all linear layers, the base frozen in bf16: another fine-tune"
         add(f"LoRA r={LORA_RANK}", "trained parameters", note, lora)
-    return sorted(fixes, key=_fix_sort_key)
+    return ranked(fixes, base)

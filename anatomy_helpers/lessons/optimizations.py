@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 
 from ..data import get_batch
-from ..prediction.fixes import EFFECTS
-from ..prediction.levers import Lever, dominant, levers
+from ..prediction.levers import EFFECTS, Lever, dominant, levers
 from ..step import step_flops
 from ..tables import Col, format_table
 from ..tracking.trace import Trace
@@ -233,8 +232,9 @@ def format_levers(rows: list[LeverRow]) -> str:
 
 
 def format_verified(category: str, verified) -> str:
-    """prediction/levers.py's ranking of the levers on ``category``, verified by dry runs."""
-    unit, scale = pick_unit(max(v.before.bytes for v in verified))
+    """prediction/levers.py's ranking of the levers that lower the peak (``category`` dominates it), verified by dry
+    runs ("-": extra FLOPs the count cannot see)."""
+    unit, scale = pick_unit(max(v.before.tensors for v in verified))
     cols = [
         Col("rank", 4),
         Col("lever", 30, align="<", gap="  "),
@@ -245,10 +245,10 @@ def format_verified(category: str, verified) -> str:
         Col("changes", 10, align="<", gap="  "),
     ]
     table = [
-        (i, v.lever.name, v.after.bytes / scale, v.saved / scale, v.after.phase, v.extra_flops, v.lever.effect)
+        (i, v.lever.name, v.after.tensors / scale, v.saved / scale, v.after.phase, v.extra_flops, v.lever.effect)
         for i, v in enumerate(verified, 1)
     ]
-    return format_table(cols, table, note=f"(levers acting on {category}; {unit}; dry runs)")
+    return format_table(cols, table, note=f"(levers lowering a peak dominated by {category}; {unit}; dry runs)")
 
 
 def loss_gap(cfg: dict, names: tuple[str, ...], steps: int = 30, batch_size: int = 8) -> dict[str, list[float]]:

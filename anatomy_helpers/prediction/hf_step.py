@@ -44,6 +44,7 @@ from ..interrupts import DeferredInterrupt
 from ..step import AUTOCAST_CHOICES, StepPlan, run_step
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
+from ..train import OPTIMIZERS  # the one list of optimizer names (lesson 03's four)
 from .dryrun import DryRunError, _check_ops, build_fake_model
 from .fake_check import CheckedFakeTensorMode
 from .hf import build_model, hf_config, tiny_config
@@ -57,7 +58,6 @@ HF_ASSUMPTIONS = (
     "building an attention mask; the dry run runs the same ops and takes that answer. Where transformers would "
     "take its tracing path for fake tensors anywhere else (utils.is_tracing), the dry run is refused."
 )
-OPTIMIZERS = ("adamw", "adam", "sgd", "momentum")
 
 
 @dataclass(frozen=True)
