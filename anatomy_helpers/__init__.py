@@ -1,27 +1,30 @@
 """Helpers for the Training Step Anatomy course: a toy GPT, its data, a memory tracker, its trace and plots.
 
-The core lives in the top-level modules (model, data, train, tracker, trace, allocator, ...); what only one
-notebook uses lives in ``anatomy_helpers.lessons``. The names below are the ones every notebook reaches for.
+The parts live in subpackages, one layer each: ``core`` (the model, data, checks), ``tracking`` (the tracker and
+its trace), ``training`` (the one step, optimizers, loops), ``prediction`` (dry runs, closed forms, the allocator
+simulator, fit and fixes), ``distributed`` (ranks), ``ui`` (figures, panels, exercises), ``cli``; what only one
+notebook uses lives in ``anatomy_helpers.lessons`` (``lesson08_scaling`` is notebook 08's). The names below are the
+ones every notebook reaches for.
 """
 
 from importlib import import_module
 
-from .data import CharTokenizer, get_batch, get_tokenizer, load_text, seed_everything
-from .exercises import check_prediction
-from .model import GPT, ModelConfig
-from .tensors import on_device, optimizer_state_tensors, storage_bytes
+from .core.data import CharTokenizer, get_batch, get_tokenizer, load_text, seed_everything
+from .core.model import GPT, ModelConfig
+from .core.tensors import on_device, optimizer_state_tensors, storage_bytes
+from .core.units import GiB, MiB
 from .tracking.events import CATEGORIES, PHASES, Peak, PhaseSummary, Timeline
 from .tracking.recorder import MemoryBudgetExceeded
 from .tracking.trace import Trace
 from .tracking.tracker import StepTracker
-from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps, train_step
-from .units import GiB, MiB
+from .training.train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps, train_step
+from .ui.exercises import check_prediction
 
 # The figures and widgets load on first use (matplotlib and ipywidgets: about 0.8 s of CPU per process): each rank
 # process of a distributed world imports this package and never draws.
 _ON_FIRST_USE = {
-    **dict.fromkeys(("CATEGORY_COLORS", "plot_module_bars", "plot_timeline", "plot_timelines"), ".plots"),
-    **dict.fromkeys(("progress", "slider_panel", "track_and_plot"), ".widgets"),
+    **dict.fromkeys(("CATEGORY_COLORS", "plot_module_bars", "plot_timeline", "plot_timelines"), ".ui.plots"),
+    **dict.fromkeys(("progress", "slider_panel", "track_and_plot"), ".ui.widgets"),
 }
 
 

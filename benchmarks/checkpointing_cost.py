@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from anatomy_helpers import pick_device
-from anatomy_helpers.lessons.checkpointing import (
+from anatomy_helpers.lessons.lesson05_checkpointing import (
     lineup,
     measure_policies,
     policy_table,

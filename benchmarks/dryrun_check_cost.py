@@ -5,7 +5,7 @@
 Two figures per configuration (the default model, and 7B-shaped GPT-2 and llama configurations at batch 1):
 
 * the first dry run in a process, with nothing checked yet: it records the ops, runs each new op signature once
-  for real (a 7B-shaped run does that on its small twin, see dryrun._small_twin) and is timed against an unchecked
+  for real (a 7B-shaped run does that on its small twin, see dryrun.twin_config) and is timed against an unchecked
   dry run;
 * later dry runs: every signature was checked already, so the check costs one signature lookup per op; the
   median of ``--repeats`` runs each way, interleaved round-robin so that a machine that gets busier or quieter

@@ -2,7 +2,8 @@
 
     python benchmarks/levers.py [--warm 3] [--timed 10] [--device cpu]
 
-For the lesson's two steps (lessons/optimizations.py: the optimizer-bound one and the logits-bound one), each lever
+For the lesson's two steps (lessons/lesson10_optimizations.py: the optimizer-bound one and the logits-bound one),
+each lever
 measured as the notebook measures it (two tracked AdamW steps: peak, where it is, state bytes per parameter, FLOPs
 of forward + backward counted by ``FlopCounterMode``), then the median wall time of ``--timed`` untracked steps
 after ``--warm`` untimed ones, as a ratio to the baseline's. Time ratios depend on the machine and its load: run it
@@ -18,7 +19,7 @@ import time
 import torch
 
 from anatomy_helpers import make_model, make_optimizer, pick_device
-from anatomy_helpers.lessons.optimizations import (
+from anatomy_helpers.lessons.lesson10_optimizations import (
     LOGITS_BATCH,
     LOGITS_BOUND,
     OPTIMIZER_BATCH,
@@ -30,7 +31,7 @@ from anatomy_helpers.lessons.optimizations import (
     measure_levers,
     one_liners,
 )
-from anatomy_helpers.step import StepPlan, run_step
+from anatomy_helpers.training.step import StepPlan, run_step
 
 
 def step_seconds(cfg: dict, batch_size: int, name: str, warm: int, timed: int, device) -> float:

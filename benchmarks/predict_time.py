@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--gpu", default="a100-80", help="the device to predict for (default: a100-80)")
     args = parser.parse_args()
     gpu = ["--gpu", args.gpu]
-    imports = timed(["-c", "import anatomy_helpers.cli, anatomy_helpers.prediction.fit"])
+    imports = timed(["-c", "import anatomy_helpers.cli.main, anatomy_helpers.prediction.fit"])
     print(f"import torch and the course package:   {imports} (a floor under every run below)")
     one = timed(["-m", "anatomy_helpers", "predict", *SEVEN_B, *gpu])
     print(f"one prediction, 7B-shaped on {args.gpu}: {one} (target < 10 s)")

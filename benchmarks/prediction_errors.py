@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from anatomy_helpers.model import ModelConfig
+from anatomy_helpers.core.model import ModelConfig
+from anatomy_helpers.core.tables import Col, format_table
 from anatomy_helpers.prediction.dryrun import dry_run_config
 from anatomy_helpers.prediction.estimate import estimate_step, impl_of, textbook_estimates
-from anatomy_helpers.tables import Col, format_table
 
 BASE = dict(n_layer=4, d_model=256, n_head=4, seq_len=128)
 #: (ModelConfig changes, optimizer, foreach, fused, micro-batch)

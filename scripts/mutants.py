@@ -236,21 +236,21 @@ MUTANTS = [
     # ---- activation checkpointing
     Mutant(
         "checkpoint.selective-saves-nothing",
-        "checkpointing.py",
+        "core/checkpointing.py",
         "    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else",
         "    return CheckpointPolicy.PREFER_RECOMPUTE if func in SAVED_OPS else",
         T_CKPT,
     ),
     Mutant(
         "checkpoint.selective-announces-nothing",
-        "checkpointing.py",
+        "core/checkpointing.py",
         "        if func in SAVED_OPS:",
         "        if func is None:",
         T_CKPT,
     ),
     Mutant(
         "checkpoint.every-k-segments-of-one-block",
-        "checkpointing.py",
+        "core/checkpointing.py",
         'size = 1 if policy == "full" else every',
         "size = 1",
         T_CKPT,
@@ -317,21 +317,21 @@ MUTANTS = [
     # ---- the one training step and the ranks that run it
     Mutant(
         "step.micro-batch-loss-not-divided",
-        "step.py",
+        "training/step.py",
         "plan.loss(model, part) if k == 1 else plan.loss(model, part) / k",
         "plan.loss(model, part)",
         ("tests/test_step.py", "tests/test_accumulation.py"),
     ),
     Mutant(
         "step.hf-micro-batch-loss-not-divided",
-        "step.py",
+        "training/step.py",
         "plan.loss(model, part) if k == 1 else plan.loss(model, part) / k",
         "plan.loss(model, part)",
         ("tests/test_hf.py::test_micro_batches_of_a_hugging_face_step_average_their_gradients",),
     ),
     Mutant(
         "step.every-rank-trains-rank-0s-rows",
-        "step.py",
+        "training/step.py",
         "t[plan.rank * local : (plan.rank + 1) * local].clone()",
         "t[0:local].clone()",
         ("tests/test_step.py",),
@@ -374,14 +374,14 @@ MUTANTS = [
     # ---- lesson 10's levers: the chunked loss recomputes its chunk's logits; the step in backward frees each gradient
     Mutant(
         "model.chunked-loss-keeps-the-logits",
-        "model.py",
+        "core/model.py",
         "part = checkpoint(_chunk_loss, xs, weight, ts, use_reentrant=False)",
         "part = _chunk_loss(xs, weight, ts)",
         ("tests/test_levers.py::test_loss_chunk_trains_the_same_parameters_and_never_holds_the_logits",),
     ),
     Mutant(
         "step.in-backward-keeps-each-gradient",
-        "step.py",
+        "training/step.py",
         "p.grad = None  # this gradient dies now, before backward computes the next one",
         "pass",
         ("tests/test_levers.py::test_in_backward_never_holds_every_gradient_at_once",),
@@ -531,7 +531,7 @@ MUTANTS = [
     # ---- the one step against torch's recipes (tests/test_step_contracts.py)
     Mutant(
         "step.clip-before-unscale",
-        "step.py",
+        "training/step.py",
         "                    scaler.unscale_(optimizer)\n",
         "                    pass\n",
         (
@@ -540,35 +540,35 @@ MUTANTS = [
     ),
     Mutant(
         "step.ddp-syncs-every-micro-batch",
-        "step.py",
+        "training/step.py",
         "    if last or not isinstance(model, nn.parallel.DistributedDataParallel):",
         "    if True:",
         ("tests/test_step_contracts.py::test_ddp_all_reduces_once_per_step_whatever_the_micro_batches",),
     ),
     Mutant(
         "step.in-backward-loaded-state-not-shared",
-        "step.py",
+        "training/step.py",
         "        super().load_state_dict(state_dict)\n        self._share()",
         "        super().load_state_dict(state_dict)",
         ("tests/test_step_contracts.py::test_in_backward_state_dict_round_trip_continues_where_it_stopped",),
     ),
     Mutant(
         "step.in-backward-own-param-groups",
-        "step.py",
+        "training/step.py",
         "        self.param_groups = [opt.param_groups[0] for opt in self.optimizers.values()]\n",
         "",
         ("tests/test_step_contracts.py::test_in_backward_learning_rate_and_schedulers_go_through_param_groups",),
     ),
     Mutant(
         "step.in-backward-steps-twice",
-        "step.py",
+        "training/step.py",
         "            if p in self._stepped:",
         "            if False:",
         ("tests/test_step_contracts.py::test_in_backward_refuses_a_second_backward_in_one_step_and_add_param_group",),
     ),
     Mutant(
         "model.chunked-loss-counts-ignored-targets",
-        "model.py",
+        "core/model.py",
         "    return total / counted",
         "    return total / (B * T)",
         ("tests/test_step_contracts.py::test_chunked_loss_skips_ignored_targets_like_cross_entropy",),
@@ -631,7 +631,7 @@ MUTANTS = [
     ),
     Mutant(
         "cli_hf.refused-dry-run-exits-0",
-        "cli_hf.py",
+        "cli/hf.py",
         'parser.exit(1, f"dry run refused: {e}\\n")',
         'parser.exit(0, f"dry run refused: {e}\\n")',
         ("tests/test_cli_hf.py::test_predict_hf_refused_by_the_dry_run_exits_1_saying_why",),

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))  # run from a clone without installing the package
 
 import torch  # noqa: E402
 
-from anatomy_helpers.lessons.optimizations import (  # noqa: E402
+from anatomy_helpers.lessons.lesson10_optimizations import (  # noqa: E402
     COMPILE_REFERENCE,
     LOGITS_BATCH,
     LOGITS_BOUND,

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))  # run from a clone without installing the package
 import torch  # noqa: E402
 
 from anatomy_helpers.distributed.fit import FIT_STRATEGIES, FIT_WORLD_SIZES, SHAPES, as_records, layer_scaled_memory  # noqa: E402
-from anatomy_helpers.lessons.scale import FIT_BASE, FIT_REFERENCE  # noqa: E402
+from anatomy_helpers.lessons.lesson11_scale import FIT_BASE, FIT_REFERENCE  # noqa: E402
 
 
 def main() -> int:

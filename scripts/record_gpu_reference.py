@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a clone without installing the package
 
 from anatomy_helpers import get_batch, make_model, make_optimizer, train_step  # noqa: E402
-from anatomy_helpers.lessons.profiling import GPU_REFERENCE  # noqa: E402
+from anatomy_helpers.core.units import MiB  # noqa: E402
+from anatomy_helpers.lessons.lesson07_profiling import GPU_REFERENCE  # noqa: E402
 from anatomy_helpers.prediction.snapshot import record_cuda_snapshot  # noqa: E402
-from anatomy_helpers.units import MiB  # noqa: E402
 
 
 def trim_frames(snapshot: dict, max_frames: int) -> dict:

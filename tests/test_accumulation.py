@@ -79,7 +79,7 @@ def test_bad_micro_batches_are_clear_errors(small, kwargs, match):
 
 
 def test_micro_step_of_counts_the_forwards_of_the_step_so_far(runs):
-    from anatomy_helpers.lessons.scaling import micro_step_of
+    from anatomy_helpers.lessons.lesson08_scaling import micro_step_of
 
     trace = runs[4][1]
     forwards = [ph for ph in trace.phases() if ph.step == 2 and ph.phase == "forward"]
@@ -88,7 +88,7 @@ def test_micro_step_of_counts_the_forwards_of_the_step_so_far(runs):
 
 
 def test_accumulation_sweep_rows_come_from_the_traces():
-    from anatomy_helpers.lessons.scaling import accumulation_sweep, format_accumulation
+    from anatomy_helpers.lessons.lesson08_scaling import accumulation_sweep, format_accumulation
 
     rows, traces = accumulation_sweep((1, 2), batch_size=4, device="cpu", **SMALL)
     for row in rows:

@@ -10,7 +10,8 @@ import torch
 from matplotlib.figure import Figure
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.lessons.backward import (
+from anatomy_helpers.core.units import MiB
+from anatomy_helpers.lessons.lesson02_backward import (
     KeepLoss,
     KeepValLoss,
     RetainGraph,
@@ -22,7 +23,6 @@ from anatomy_helpers.lessons.backward import (
     plot_category,
 )
 from anatomy_helpers.tracking.events import model_parts
-from anatomy_helpers.units import MiB
 
 from .conftest import SMALL, numel, phase_end, storage_bytes
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from anatomy_helpers import MemoryBudgetExceeded, StepTracker, get_batch, make_model, make_optimizer, track_steps
-from anatomy_helpers.budget import (
+from anatomy_helpers.training.budget import (
     StorageWatch,
     budget_between,
     model_state_tensors,
     run_under_budget,
     try_budget,
 )
-from anatomy_helpers.plots import plot_budget_run
+from anatomy_helpers.ui.plots import plot_budget_run
 
 from .conftest import SMALL, storage_bytes
 

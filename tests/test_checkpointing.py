@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from anatomy_helpers import ModelConfig, make_model, make_optimizer, track_steps
-from anatomy_helpers.lessons.checkpointing import (
+from anatomy_helpers.lessons.lesson05_checkpointing import (
     Policy,
     block_gradients,
     cheapest_fitting,
@@ -30,7 +30,7 @@ from anatomy_helpers.lessons.checkpointing import (
     time_policies,
     with_time_ratios,
 )
-from anatomy_helpers.lessons.checkpointing_kept import (
+from anatomy_helpers.lessons.lesson05_kept import (
     KORTHIKANTI_SETUP,
     compare_kept,
     every_k_model,
@@ -43,8 +43,8 @@ from anatomy_helpers.lessons.checkpointing_kept import (
     track_kept,
 )
 from anatomy_helpers.prediction.formulas import korthikanti_layer_bytes, korthikanti_terms
-from anatomy_helpers.step import step_flops
 from anatomy_helpers.tracking.events import CATEGORIES
+from anatomy_helpers.training.step import step_flops
 from tests.conftest import SMALL, THREADS
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -55,8 +55,8 @@ CHECKPOINTING = [p for p in lineup() if p.checkpoint not in ("none", "offload")]
 
 def test_selective_announces_each_saved_matmul_output_and_each_block_input():
     """The tracker counts what "selective" keeps from these announcements (checkpointing.keep_for_backward)."""
-    from anatomy_helpers.checkpointing import add_listener
-    from anatomy_helpers.data import get_batch
+    from anatomy_helpers.core.checkpointing import add_listener
+    from anatomy_helpers.core.data import get_batch
 
     model = make_model(**SMALL, checkpoint="selective")  # manual attention
     announced: list[torch.Tensor] = []
@@ -451,7 +451,7 @@ def test_budget_exercise(runs):
 @needs_cuda
 @pytest.mark.cuda
 def test_cuda_peaks_beside_the_tracker():
-    from anatomy_helpers.lessons.checkpointing import cuda_peaks, format_cuda_peaks
+    from anatomy_helpers.lessons.lesson05_checkpointing import cuda_peaks, format_cuda_peaks
 
     # A batch whose saved activations outweigh what recomputation adds beside the tensors on a GPU: at batch 4, "full"
     # saved 0.36 MB of tensors, but the allocator held 1.02 MiB beside its tensors against 0.01 MiB under "none" (1.00

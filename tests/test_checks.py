@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from anatomy_helpers.checks import (
+from anatomy_helpers.core.checks import (
     int_in,
     one_of,
     optional_callable,
@@ -81,7 +81,7 @@ def test_torch_at_least_reads_major_and_minor_and_says_how_to_upgrade():
     ],
 )
 def test_rank_of_world_is_the_one_check_of_a_rank_and_its_world(rank, world_size, why):
-    from anatomy_helpers.checks import rank_of_world
+    from anatomy_helpers.core.checks import rank_of_world
 
     with pytest.raises(ValueError, match=why):
         rank_of_world(rank, world_size, at_most=4 if world_size == 5 else None)

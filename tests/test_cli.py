@@ -1,6 +1,6 @@
 import pytest
 
-from anatomy_helpers.cli import main
+from anatomy_helpers.cli.main import main
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--device", "cpu"]
 

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from anatomy_helpers.cli import main  # noqa: E402
+from anatomy_helpers.cli.main import main  # noqa: E402
 from anatomy_helpers.distributed.hf_fit import will_it_fit_hf  # noqa: E402
 from anatomy_helpers.prediction.hf import tiny_config  # noqa: E402
 from anatomy_helpers.prediction.hf_step import FineTune  # noqa: E402

@@ -6,7 +6,7 @@ Each expectation is written from what torch does (named in the test), not from e
 import pytest
 import torch
 
-from anatomy_helpers.model import GPT, ModelConfig
+from anatomy_helpers.core.model import GPT, ModelConfig
 from anatomy_helpers.prediction.estimate import backward_moments, optimizer_temporaries
 from anatomy_helpers.prediction.formulas import zero_model_states
 

@@ -128,7 +128,7 @@ def test_data_ships_with_the_package(colab):
     if env.run(["-c", "import anatomy_helpers"], check=False).returncode:
         pytest.fail("the package was not installed: see the first test of this module")
     code = (
-        "from anatomy_helpers.data import load_text; from anatomy_helpers.lessons import profiling as p;"
+        "from anatomy_helpers.core.data import load_text; from anatomy_helpers.lessons import lesson07_profiling as p;"
         "print(len(load_text())); print(p.load_gpu_reference() is not None)"
     )
     lines = env.run(["-c", code], cwd=tmp).stdout.split()

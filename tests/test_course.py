@@ -202,7 +202,7 @@ GIVEN_EARLIER = {
 
 def answers_shown_early(nb: Path) -> list[str]:
     """Exercises of ``nb`` whose measured answer an earlier output already prints (a number bounded by non-digits)."""
-    from anatomy_helpers.exercises import METADATA_KEY
+    from anatomy_helpers.ui.exercises import METADATA_KEY
 
     earlier, found, asked = [], [], 0
     for cell in code_cells(nb):
@@ -229,7 +229,7 @@ def test_no_output_gives_an_exercises_answer_away_before_it_is_asked(nb):
 
 
 def test_the_early_answer_check_finds_a_planted_answer(tmp_path):
-    from anatomy_helpers.exercises import METADATA_KEY
+    from anatomy_helpers.ui.exercises import METADATA_KEY
 
     def cell(text, meta=None, source="x"):
         out = {"output_type": "display_data", "data": {"text/plain": text}, "metadata": meta or {}}

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from anatomy_helpers import cuda
-from anatomy_helpers.cuda import (
+from anatomy_helpers.lessons.lesson04_first_step import plot_allocator
+from anatomy_helpers.prediction import cuda
+from anatomy_helpers.prediction.allocator import replay
+from anatomy_helpers.prediction.cuda import (
     CudaStats,
     SimVsReal,
     choose_cuda_limit,
@@ -19,8 +21,6 @@ from anatomy_helpers.cuda import (
     format_cuda_step_stats,
     format_cuda_vs_simulated,
 )
-from anatomy_helpers.lessons.first_step import plot_allocator
-from anatomy_helpers.prediction.allocator import replay
 from anatomy_helpers.tracking.events import CudaMark, PhaseMark, Timeline
 from anatomy_helpers.tracking.trace import Trace
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from anatomy_helpers.model import ModelConfig
+from anatomy_helpers.core.model import ModelConfig
 from anatomy_helpers.prediction.cuda_rules import (
     CudaRuleError,
     autocast_softmax,

@@ -13,7 +13,7 @@ from anatomy_helpers import (
     seed_everything,
     train_step,
 )
-from anatomy_helpers.data import max_seq_len
+from anatomy_helpers.core.data import max_seq_len
 
 
 def test_text_is_small_and_shipped():

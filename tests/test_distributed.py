@@ -145,7 +145,7 @@ def test_nccl_reports_max_memory_allocated_per_rank():
 
 
 def test_formula_gaps_are_made_of_the_split_padding_and_step_counts(world, reference):
-    from anatomy_helpers.lessons.scaling import formula_gaps
+    from anatomy_helpers.lessons.lesson08_scaling import formula_gaps
 
     params, buffers = reference
     model = make_model(device="cpu", **SMALL)
@@ -164,7 +164,7 @@ def test_formula_gaps_are_made_of_the_split_padding_and_step_counts(world, refer
 
 
 def test_zero2_communication_peak_is_the_unsharded_model_and_two_flat_buffers(world, reference):
-    from anatomy_helpers.lessons.scaling import communication_at_peak
+    from anatomy_helpers.lessons.lesson08_scaling import communication_at_peak
 
     params, _ = reference
     model = make_model(device="cpu", **SMALL)
@@ -180,9 +180,9 @@ def test_zero2_communication_peak_is_the_unsharded_model_and_two_flat_buffers(wo
 def test_rank_timelines_legend_names_every_category_marker_and_shading(world):
     from matplotlib.lines import Line2D
 
-    from anatomy_helpers.lessons.scaling import plot_rank_timelines
-    from anatomy_helpers.plots import CATEGORY_LABELS
+    from anatomy_helpers.lessons.lesson08_scaling import plot_rank_timelines
     from anatomy_helpers.tracking.events import CATEGORIES
+    from anatomy_helpers.ui.plots import CATEGORY_LABELS
 
     fig = plot_rank_timelines(world)
     legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + fig.legends
@@ -213,7 +213,7 @@ def test_rank_timelines_legend_names_every_category_marker_and_shading(world):
 
 
 def test_rank_timelines_wrap_four_ranks_into_two_rows(world):
-    from anatomy_helpers.lessons.scaling import plot_rank_timelines
+    from anatomy_helpers.lessons.lesson08_scaling import plot_rank_timelines
 
     four = {"ddp": world["ddp"] * 2}  # four panels (ranks 0, 1, 0, 1): the layout is what is tested
     fig = plot_rank_timelines(four)

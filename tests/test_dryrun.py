@@ -8,8 +8,7 @@ import torch
 import torch.nn as nn
 
 from anatomy_helpers import ModelConfig, make_model, make_optimizer, track_steps
-from anatomy_helpers import train as train_module
-from anatomy_helpers.checkpointing import CHECKPOINT_POLICIES
+from anatomy_helpers.core.checkpointing import CHECKPOINT_POLICIES
 from anatomy_helpers.prediction.dryrun import (
     KERNEL_SCRATCH_RULE,
     DryRunError,
@@ -19,6 +18,7 @@ from anatomy_helpers.prediction.dryrun import (
 )
 from anatomy_helpers.tracking.events import CATEGORIES
 from anatomy_helpers.tracking.trace import Trace
+from anatomy_helpers.training import train as train_module
 
 from .conftest import SMALL
 
@@ -152,7 +152,7 @@ def test_dry_run_allocates_no_data_for_a_model_bigger_than_ram():
     # 2 x 16384 is ~6.4 B parameters, 26 GB in fp32: built on meta and run on fake tensors.
     cfg = ModelConfig(n_layer=2, d_model=16384, n_head=128, seq_len=64, vocab_size=50304, attn_impl="sdpa")
     trace = dry_run_config(cfg, optimizer="sgd", batch_size=1, steps=1)
-    from anatomy_helpers.prediction.formulas import param_count
+    from anatomy_helpers.core.model import param_count
 
     assert trace.baseline["parameters"] == param_count(cfg) * 4
 

@@ -291,7 +291,7 @@ def test_the_small_twin_checks_what_the_full_run_could_not(nothing_checked, monk
     assert padded and all(big[key].nbytes > 4096 for key in padded)
     # a twin with the same code paths finds the difference: refused naming the op, the module and the difference
     with pytest.raises(DryRunError, match=r"anatomy_test\.padded_copy\.default \(first seen in module 'model'") as err:
-        dryrun._check_ops(big, "the model", lambda: _padded_model_calls(3))
+        dryrun.check_ops(big, "the model", lambda: _padded_model_calls(3))
     assert "(3, 8) float32 at offset 0 of storage 1 (96 B) in the fake run" in str(err.value)
     assert "only at calls over" not in str(err.value)
     # a twin that never calls padded_copy leaves its signature unchecked: refused, naming it, not passed
@@ -304,7 +304,7 @@ def test_the_small_twin_checks_what_the_full_run_could_not(nothing_checked, monk
         )[1]  # fmt: skip
 
     with pytest.raises(DryRunError, match=r"uses anatomy_test\.padded_copy\.default only at calls over"):
-        dryrun._check_ops(big, "the model", plain_twin)
+        dryrun.check_ops(big, "the model", plain_twin)
 
 
 # ---- a signature keeps the dtype: a check in float32 does not stand for bfloat16 -----------------------------------

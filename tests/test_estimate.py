@@ -10,8 +10,8 @@
 import pytest
 import torch
 
-from anatomy_helpers.lessons.checkpointing_kept import track_kept
-from anatomy_helpers.model import GPT, ModelConfig
+from anatomy_helpers.core.model import GPT, ModelConfig, param_count
+from anatomy_helpers.lessons.lesson05_kept import track_kept
 from anatomy_helpers.prediction.dryrun import dry_run_config
 from anatomy_helpers.prediction.estimate import (
     activation_bytes,
@@ -26,9 +26,8 @@ from anatomy_helpers.prediction.estimate import (
     parameter_bytes,
     textbook_estimates,
 )
-from anatomy_helpers.prediction.formulas import param_count
 from anatomy_helpers.prediction.saved import first_savers
-from anatomy_helpers.train import make_model
+from anatomy_helpers.training.train import make_model
 
 from .conftest import SMALL
 
@@ -225,7 +224,7 @@ def test_every_optimizer_name_is_modelled_or_refused(changes, optimizer, impl, w
 
 
 def test_every_optimizer_the_course_offers_is_modelled_or_refused_by_name():
-    from anatomy_helpers.train import OPTIMIZER_NAMES
+    from anatomy_helpers.training.train import OPTIMIZER_NAMES
 
     cfg = ModelConfig(**SMALL)
     for name in OPTIMIZER_NAMES:

@@ -1,6 +1,6 @@
 import pytest
 
-from anatomy_helpers.exercises import check_prediction
+from anatomy_helpers.ui.exercises import check_prediction
 
 
 def test_close_prediction_is_accepted(capsys):

@@ -9,6 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from anatomy_helpers import make_model
+from anatomy_helpers.core.model import GPT, ModelConfig
+from anatomy_helpers.core.tensors import storage_bytes
 from anatomy_helpers.distributed import fake_world
 from anatomy_helpers.distributed.fake_world import (
     STEP_BYTES,
@@ -23,10 +25,8 @@ from anatomy_helpers.distributed.fake_world import (
 )
 from anatomy_helpers.distributed.ranks import STRATEGIES, RankJob
 from anatomy_helpers.distributed.world import run_world
-from anatomy_helpers.model import GPT, ModelConfig
 from anatomy_helpers.prediction.dryrun import course_batch
 from anatomy_helpers.prediction.formulas import zero_model_states
-from anatomy_helpers.tensors import storage_bytes
 
 from .conftest import SMALL
 
@@ -106,7 +106,7 @@ def test_the_fsdp_collectives_rule_is_what_a_dry_run_rank_issues(model):
     issues none), powers of two and not (96 pads d_model = 1,024 too; 128 leaves PADDED's last ranks empty rows);
     at 96 the padding shows."""
     from anatomy_helpers.distributed.fake_world import fsdp_collectives_rule
-    from anatomy_helpers.lessons.scale import SYNC_CONFIG
+    from anatomy_helpers.lessons.lesson11_scale import SYNC_CONFIG
 
     config, world_sizes = (PADDED, (1, 8, 96, 128)) if model == "PADDED" else (SYNC_CONFIG, (96,))
     traced = {}

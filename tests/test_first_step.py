@@ -4,7 +4,7 @@ and the two slider panels."""
 import pytest
 import torch
 
-from anatomy_helpers.lessons.first_step import (
+from anatomy_helpers.lessons.lesson04_first_step import (
     allocator_panel,
     budget_panel,
     format_replay_summary,
@@ -13,9 +13,9 @@ from anatomy_helpers.lessons.first_step import (
     plot_segment_map,
     step_peak_table,
 )
-from anatomy_helpers.plots import CourseFigure
 from anatomy_helpers.prediction.allocator import allocator_at, replay
 from anatomy_helpers.tracking.events import CATEGORIES
+from anatomy_helpers.ui.plots import CourseFigure
 
 from .conftest import SMALL, make_record, storage_bytes
 from .test_trace_oracles import hand_trace

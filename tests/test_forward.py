@@ -1,4 +1,5 @@
-"""anatomy_helpers.lessons.forward (notebook 01): a tracked forward, block boundaries, the build-up plot, scaling.
+"""anatomy_helpers.lessons.lesson01_forward (notebook 01): a tracked forward, block boundaries, the build-up plot,
+scaling.
 
 The saved-tensor core (saved_rows, attach_ops, saved_table, compare_layer ...) is tested in test_saved.py.
 """
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from anatomy_helpers import StepTracker, make_model, make_optimizer
-from anatomy_helpers.lessons.forward import (
+from anatomy_helpers.lessons.lesson01_forward import (
     activation_scaling,
     activations_at_block_starts,
     block_boundaries,
@@ -21,7 +22,6 @@ from anatomy_helpers.lessons.forward import (
     plot_scaling,
     track_forward,
 )
-from anatomy_helpers.plots import CourseFigure
 from anatomy_helpers.prediction.saved import (
     TermComparison,
     activations_by_part,
@@ -30,6 +30,7 @@ from anatomy_helpers.prediction.saved import (
     saved_by_op,
     saved_rows,
 )
+from anatomy_helpers.ui.plots import CourseFigure
 
 from .conftest import SMALL, THREADS
 from .test_saved import fp32_layer_bytes, fp32_outside_bytes

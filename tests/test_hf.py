@@ -185,7 +185,7 @@ def test_bad_fine_tunes_get_clear_errors():
     # GPT-2's learned positions end at n_positions: past them the real step fails (index out of range), so a dry
     # run, which reads no token ids, is refused there rather than answering for a step that cannot run
     from anatomy_helpers.prediction.hf_step import hf_plan, make_hf_optimizer
-    from anatomy_helpers.step import run_step
+    from anatomy_helpers.training.step import run_step
 
     tiny, long = tiny_config("gpt2"), FineTune(seq_len=65, batch_size=1)
     assert tiny.max_position_embeddings == 64
@@ -202,7 +202,7 @@ def test_micro_batches_of_a_hugging_face_step_average_their_gradients():
     micro-batches of one row leave the gradients of one batch of two rows (the model's loss is the mean over a
     micro-batch's tokens, the same number in each), not twice them."""
     from anatomy_helpers.prediction.hf_step import hf_plan, make_hf_optimizer
-    from anatomy_helpers.step import run_step
+    from anatomy_helpers.training.step import run_step
 
     cfg = tiny_config("llama-3.2-1b")
     grads = {}
@@ -239,8 +239,8 @@ PROFILED = [  # a dense model with LoRA and eager attention, and the mixture of 
 def test_tracker_agrees_with_torch_profiler_on_hf_models(name, fields, tmp_path):
     """As tests/test_profiler_agreement.py: two warm-up steps, one tracked, the next profiled; peaks within 0.5 %."""
     from anatomy_helpers.prediction.hf_step import hf_batch, hf_plan, make_hf_optimizer
-    from anatomy_helpers.step import run_step
     from anatomy_helpers.tracking.tracker import StepTracker
+    from anatomy_helpers.training.step import run_step
 
     from .test_profiler_agreement import BOUND, profiled_peaks
 

@@ -139,7 +139,7 @@ def test_the_cli_and_the_python_api_give_one_ranks_numbers(tmp_path, capsys):
     """``predict --hf`` at --world-size 4 --zero 2 prints the numbers will_it_fit_hf returns, phase by phase."""
     import json
 
-    from anatomy_helpers.cli import main
+    from anatomy_helpers.cli.main import main
 
     QWEN.to_json_file(tmp_path / "config.json")
     args = ["predict", "--hf", str(tmp_path), "--seq-len", "16", "--batch-size", "2", "--dtype", "float32"]
@@ -200,9 +200,9 @@ def test_cheapest_fix_hf_ranks_dry_run_candidates(runs):
 
 
 def test_one_optimizer_list_for_the_course_step_and_a_fine_tune():
-    from anatomy_helpers.cli_hf import build_hf_predict_parser
+    from anatomy_helpers.cli.hf import build_hf_predict_parser
     from anatomy_helpers.prediction import hf_step
-    from anatomy_helpers.train import OPTIMIZERS
+    from anatomy_helpers.training.train import OPTIMIZERS
 
     assert hf_step.OPTIMIZERS is OPTIMIZERS  # one definition, not a second tuple that may drift
     choices = next(a.choices for a in build_hf_predict_parser()._actions if a.dest == "optimizer")

@@ -27,7 +27,7 @@ try:
     hint = None
 except ImportError as e:
     hint = str(e)
-from anatomy_helpers.cli import main
+from anatomy_helpers.cli.main import main
 try:
     main(["predict", "--hf", "gpt2", "--seq-len", "16"])
     code = 0

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.interrupts import DeferredInterrupt
+from anatomy_helpers.core.interrupts import DeferredInterrupt
 from anatomy_helpers.tracking.tracker import StepTracker
 
 from .conftest import SMALL

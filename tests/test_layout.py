@@ -10,18 +10,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "anatomy_helpers"
 
 # layer of each top-level module or subpackage, as in CONTRIBUTING's "Layout"
 LAYERS = {
-    **dict.fromkeys(("units", "tables", "checks", "tensors", "interrupts", "data", "checkpointing", "model"), 1),
+    "core": 1,
     "tracking": 2,
-    **dict.fromkeys(("step", "train"), 3),
+    "training": 3,
     "prediction": 4,
     "distributed": 5,
-    **dict.fromkeys(
-        ("budget", "cuda", "plots", "widgets", "exercises", "cli", "cli_hf", "cli_common", "__init__", "__main__"), 6
-    ),
+    **dict.fromkeys(("ui", "cli", "__init__", "__main__"), 6),
     "lessons": 7,
 }
-# the one upward import CONTRIBUTING names: the model reads its parameter count from a leaf of closed forms
-ALLOWED = {("model", "prediction.formulas")}
+ALLOWED: set[tuple[str, str]] = set()  # no upward import: the model counts its own parameters (core.model.param_count)
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
@@ -75,7 +72,7 @@ def test_a_module_imports_only_from_its_layer_or_above(path):
 
 def test_the_layer_check_sees_a_violation():
     # the check itself: plots (6) importing a lesson (7) would be refused
-    assert layer("lessons.forward") > layer("plots") and layer("tracking.trace") < layer("train")
+    assert layer("lessons.lesson01_forward") > layer("ui.plots") and layer("tracking.trace") < layer("training.train")
 
 
 def test_ranks_never_imports_world():
@@ -108,3 +105,43 @@ def test_no_two_modules_import_each_other_even_inside_functions():
                     seen.add(nxt)
                     stack.append((nxt, [*path, nxt]))
     assert cycles == []
+
+
+def test_the_package_top_level_holds_its_face_and_subpackages_only():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 12, entries
+    modules = [e for e in entries if e.endswith(".py")]
+    assert modules == ["__init__.py", "__main__.py"], modules
+
+
+@pytest.mark.parametrize("path", MODULES, ids=dotted)
+def test_no_module_imports_another_modules_private_names(path):
+    private = [
+        f"{'.' * n.level}{n.module or ''}: {a.name}"
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("anatomy_helpers"))
+        for a in n.names
+        if a.name.startswith("_")
+    ]
+    assert private == []
+
+
+@pytest.mark.parametrize("path", MODULES, ids=dotted)
+def test_a_function_local_import_is_an_outside_module_with_its_reason_on_the_line(path):
+    """A package module is imported at the top (the graph has no cycle, so nothing is half-initialised); a
+    function imports only an outside module it loads on purpose late (an optional extra, a heavy or test-only part
+    of torch), saying why on the line, or inside a try that handles its absence."""
+    source = path.read_text()
+    lines, tree = source.splitlines(), ast.parse(source)
+    in_try = {id(m) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for m in ast.walk(b)}
+    bad = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(fn):
+            if not isinstance(n, (ast.Import, ast.ImportFrom)) or id(n) in in_try:
+                continue
+            package = getattr(n, "level", 0) or (getattr(n, "module", "") or "").startswith("anatomy_helpers")
+            if package or "#" not in lines[n.lineno - 1]:
+                bad.append(f"line {n.lineno}: {lines[n.lineno - 1].strip()}")
+    assert bad == []

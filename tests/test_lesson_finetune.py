@@ -1,4 +1,5 @@
-"""Lesson 09's helpers (anatomy_helpers/lessons/finetune.py): expected values from tensor sizes and the config."""
+"""Lesson 09's helpers (anatomy_helpers/lessons/lesson09_finetune.py): expected values from tensor sizes and the
+config."""
 
 import dataclasses
 import json
@@ -12,7 +13,7 @@ from matplotlib.figure import Figure
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from anatomy_helpers.lessons.finetune import (  # noqa: E402
+from anatomy_helpers.lessons.lesson09_finetune import (  # noqa: E402
     KINDS,
     dry_run,
     fit_panel_hf,

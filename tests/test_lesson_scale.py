@@ -1,14 +1,15 @@
-"""Notebook 11's helpers (lessons/scale.py): the per-rank rows, what shrinks with N, the TP totals against the
+"""Notebook 11's helpers (lessons/lesson11_scale.py): the per-rank rows, what shrinks with N, the TP totals against the
 paper's closed forms, and the synchronization model's straggler tail added without dry-running again."""
 
 import dataclasses
 
 import pytest
 
+from anatomy_helpers.core.model import ModelConfig
 from anatomy_helpers.distributed.fake_world import WorldRow, model_states_rule
 from anatomy_helpers.distributed.sync_model import ASSUMPTIONS, LINKS
 from anatomy_helpers.distributed.tensor_parallel import korthikanti_tp_terms, layer_parts, tp_dry_run
-from anatomy_helpers.lessons.scale import (
+from anatomy_helpers.lessons.lesson11_scale import (
     CATEGORIES,
     format_assumptions,
     format_priced,
@@ -22,7 +23,6 @@ from anatomy_helpers.lessons.scale import (
     tp_totals,
     with_stragglers,
 )
-from anatomy_helpers.model import ModelConfig
 
 from .conftest import SMALL
 
@@ -100,9 +100,9 @@ def test_format_assumptions_prints_every_assumption_and_the_inputs():
 
 
 def test_format_priced_groups_each_steps_collectives_by_group_and_op():
+    from anatomy_helpers.core.units import MiB
     from anatomy_helpers.distributed.ranks import Collective
     from anatomy_helpers.distributed.sync_model import price_step
-    from anatomy_helpers.units import MiB
 
     def coll(phase, op, nbytes):
         return Collective(0, 0.0, 1, phase, op, nbytes)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from anatomy_helpers.lessons.prediction import (
+from anatomy_helpers.core.model import GPT, ModelConfig
+from anatomy_helpers.lessons.lesson06_prediction import (
     MethodComparison,
     compare_methods,
     methods_table,
@@ -16,8 +17,7 @@ from anatomy_helpers.lessons.prediction import (
     textbook_comparison,
     textbook_table,
 )
-from anatomy_helpers.lessons.scaling import FormulaGap, formula_gaps, precision_table
-from anatomy_helpers.model import GPT, ModelConfig
+from anatomy_helpers.lessons.lesson08_scaling import FormulaGap, formula_gaps, precision_table
 from anatomy_helpers.prediction.estimate import n_param_tensors
 
 from .conftest import SMALL
@@ -153,7 +153,7 @@ def test_precision_table_bytes_per_parameter():
 
 
 def test_measure_world_runs_one_world_for_one_set_of_arguments_however_they_are_passed(monkeypatch):
-    from anatomy_helpers.lessons import scaling
+    from anatomy_helpers.lessons import lesson08_scaling as scaling
 
     worlds = []
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from anatomy_helpers import get_batch, make_model, make_optimizer, track_steps
-from anatomy_helpers.model import GPT, ModelConfig, chunked_cross_entropy
+from anatomy_helpers.core.model import GPT, ModelConfig, chunked_cross_entropy
+from anatomy_helpers.core.tensors import state_bytes_by_key
 from anatomy_helpers.prediction.dryrun import DryRunError, dry_run_config
 from anatomy_helpers.prediction.levers import EFFECTS, levers, verify_levers
-from anatomy_helpers.step import OptimizerInBackward, StepPlan, run_step, step_flops
-from anatomy_helpers.tensors import state_bytes_by_key
 from anatomy_helpers.tracking.tracker import StepTracker
+from anatomy_helpers.training.step import OptimizerInBackward, StepPlan, run_step, step_flops
 
 from .conftest import SMALL, storage_bytes
 
@@ -317,7 +317,7 @@ def test_a_dry_run_of_adamw8bit_is_refused_it_reads_values():
 
 
 def test_the_lesson_measures_each_lever_against_its_baseline():
-    from anatomy_helpers.lessons.optimizations import format_levers, lever_named, measure_levers
+    from anatomy_helpers.lessons.lesson10_optimizations import format_levers, lever_named, measure_levers
 
     cfg = dict(n_layer=1, d_model=16, n_head=2, seq_len=16, vocab_size=512)
     rows, traces = measure_levers(cfg, 2, ["baseline", "bf16 optimizer state", "chunked loss", "zero_grad"])
@@ -340,8 +340,8 @@ def test_the_stored_compile_record_is_of_the_notebooks_step(tmp_path):
     """Notebook 10 prints the recorded torch.compile peaks when it does not compile: they must be of its own step."""
     import json
 
-    from anatomy_helpers.lessons.optimizations import COMPILE_REFERENCE, LOGITS_BATCH, LOGITS_BOUND
-    from anatomy_helpers.lessons.optimizations import stored_compile_memory as stored
+    from anatomy_helpers.lessons.lesson10_optimizations import COMPILE_REFERENCE, LOGITS_BATCH, LOGITS_BOUND
+    from anatomy_helpers.lessons.lesson10_optimizations import stored_compile_memory as stored
 
     record = stored()
     assert record is not None and record["config"] == LOGITS_BOUND and record["batch_size"] == LOGITS_BATCH
@@ -369,13 +369,13 @@ def plain_peak(cfg: dict, batch: int, optimizer_kw=None, **step) -> int:
 
 @pytest.fixture(scope="module")
 def one_liner_rows():
-    from anatomy_helpers.lessons.optimizations import one_liners
+    from anatomy_helpers.lessons.lesson10_optimizations import one_liners
 
     return {r.name: r for r in one_liners(device="cpu", configs=TINY_STEPS)}
 
 
 def test_one_liners_match_plain_runs_and_tensor_sizes(one_liner_rows):
-    from anatomy_helpers.lessons.optimizations import FOREACH, MICRO_BATCHES, OFFLOAD, SINGLE_TENSOR
+    from anatomy_helpers.lessons.lesson10_optimizations import FOREACH, MICRO_BATCHES, OFFLOAD, SINGLE_TENSOR
 
     opt_cfg, opt_batch = TINY_STEPS["optimizer-bound"]
     logits_cfg, logits_batch = TINY_STEPS["logits-bound"]
@@ -393,7 +393,7 @@ def test_one_liners_match_plain_runs_and_tensor_sizes(one_liner_rows):
 
 
 def test_lever_runs_are_cached_per_configuration_and_lever():
-    from anatomy_helpers.lessons.optimizations import BASELINE, FOREACH, lever_run
+    from anatomy_helpers.lessons.lesson10_optimizations import BASELINE, FOREACH, lever_run
 
     cfg, batch = TINY_STEPS["optimizer-bound"]
     first = lever_run(cfg, batch, BASELINE, device="cpu")
@@ -408,7 +408,7 @@ def test_lever_runs_are_cached_per_configuration_and_lever():
 def test_the_tables_show_the_allocators_peak_only_when_a_gpu_measured_one(one_liner_rows):
     from dataclasses import replace
 
-    from anatomy_helpers.lessons.optimizations import LeverRow, format_levers, format_one_liners
+    from anatomy_helpers.lessons.lesson10_optimizations import LeverRow, format_levers, format_one_liners
 
     rows = list(one_liner_rows.values())
     assert "max_memory_allocated" not in format_one_liners(rows)
@@ -421,7 +421,12 @@ def test_the_tables_show_the_allocators_peak_only_when_a_gpu_measured_one(one_li
 
 
 def test_the_panel_shows_before_and_after_on_one_scale(capsys):
-    from anatomy_helpers.lessons.optimizations import OPTIMIZER_BATCH, OPTIMIZER_BOUND, lever_panel, panel_levers
+    from anatomy_helpers.lessons.lesson10_optimizations import (
+        OPTIMIZER_BATCH,
+        OPTIMIZER_BOUND,
+        lever_panel,
+        panel_levers,
+    )
 
     fig = lever_panel("optimizer-bound", "optimizer step in backward", device="cpu")
     out = capsys.readouterr().out
@@ -440,7 +445,7 @@ def test_the_panel_shows_before_and_after_on_one_scale(capsys):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_lever_runs_report_the_allocators_peak_and_offload_lowers_it():
-    from anatomy_helpers.lessons.optimizations import BASELINE, LOGITS_BATCH, LOGITS_BOUND, OFFLOAD, lever_run
+    from anatomy_helpers.lessons.lesson10_optimizations import BASELINE, LOGITS_BATCH, LOGITS_BOUND, OFFLOAD, lever_run
 
     base = lever_run(LOGITS_BOUND, LOGITS_BATCH, BASELINE, device="cuda")
     offload = lever_run(LOGITS_BOUND, LOGITS_BATCH, OFFLOAD, device="cuda")

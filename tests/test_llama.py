@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from anatomy_helpers import GPT, ModelConfig, get_batch, make_model, make_optimizer, train_step
-from anatomy_helpers.model import LlamaBlock, RMSNorm, apply_rotary, rotary_tables
+from anatomy_helpers.core.model import LlamaBlock, RMSNorm, apply_rotary, llama_param_count, param_count, rotary_tables
 from anatomy_helpers.prediction.dryrun import dry_run_config
-from anatomy_helpers.prediction.formulas import llama_param_count, param_count
 
 LLAMA = dict(block="llama", n_layer=2, d_model=64, n_head=4, seq_len=32)
 

@@ -174,7 +174,7 @@ def test_the_batch_rule_splits_rows_among_data_parallel_ranks_only():
 def test_the_stored_fit_table_is_of_the_current_shapes_and_rules():
     """Re-record (scripts/record_fit.py) when a shape, the base or a rule changes: the record must say what it is."""
     from anatomy_helpers.distributed.fit import FIT_STRATEGIES, FIT_WORLD_SIZES, SHAPES
-    from anatomy_helpers.lessons.scale import FIT_BASE, stored_fit
+    from anatomy_helpers.lessons.lesson11_scale import FIT_BASE, stored_fit
 
     rows, made = stored_fit()
     assert made["shapes"] == SHAPES and made["base"] == FIT_BASE

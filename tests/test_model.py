@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from anatomy_helpers import GPT, ModelConfig, get_batch, get_tokenizer, make_model, make_optimizer, train_step
-from anatomy_helpers import model as model_module
-from anatomy_helpers.data import max_seq_len
-from anatomy_helpers.prediction.formulas import param_count
+from anatomy_helpers.core import model as model_module
+from anatomy_helpers.core.data import max_seq_len
+from anatomy_helpers.core.model import param_count
 
 
 def test_parameter_count_matches_closed_form():

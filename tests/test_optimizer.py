@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from anatomy_helpers import get_batch, make_model, make_optimizer, track_steps
-from anatomy_helpers.lessons.optimizer import (
+from anatomy_helpers.core.tensors import largest_tensor_bytes, state_bytes_by_key
+from anatomy_helpers.core.units import MiB
+from anatomy_helpers.lessons.lesson03_optimizer import (
     IMPLEMENTATIONS,
     TABLE_SETUPS,
     BytesPerParam,
@@ -21,9 +23,7 @@ from anatomy_helpers.lessons.optimizer import (
     optimizer_bars,
     plot_bytes_per_param,
 )
-from anatomy_helpers.plots import CourseFigure
-from anatomy_helpers.tensors import largest_tensor_bytes, state_bytes_by_key
-from anatomy_helpers.units import MiB
+from anatomy_helpers.ui.plots import CourseFigure
 
 from .conftest import SMALL, numel, storage_bytes
 
@@ -253,8 +253,8 @@ def test_the_panel_shows_what_the_implementation_changes():
     import contextlib
     import io
 
-    from anatomy_helpers.lessons.optimizer import optimizer_bars
-    from anatomy_helpers.widgets import figure_digest
+    from anatomy_helpers.lessons.lesson03_optimizer import optimizer_bars
+    from anatomy_helpers.ui.widgets import figure_digest
 
     digests = {}
     for impl in ("single-tensor", "foreach", "fused"):

@@ -49,7 +49,7 @@ def test_non_editable_install_ships_every_module(tmp_path):
         "names = [m.name for m in pkgutil.walk_packages(a.__path__, 'anatomy_helpers.')]\n"
         "names = [n for n in names if not n.endswith('__main__')]  # importing __main__ would run the CLI\n"
         "for n in names: importlib.import_module(n)\n"
-        "from anatomy_helpers.data import load_text\n"
+        "from anatomy_helpers.core.data import load_text\n"
         "assert len(load_text()) > 10_000\n"
         "from importlib import resources\n"
         "assert resources.files('anatomy_helpers.prediction').joinpath('hf_configs', 'llama-3.1-8b.json').is_file()\n"
@@ -67,4 +67,4 @@ def test_non_editable_install_ships_every_module(tmp_path):
     )
     shipped = out[2].split()
     assert [n for n in source if n not in shipped] == []  # every module of the checkout was installed
-    assert "anatomy_helpers.lessons.first_step" in shipped
+    assert "anatomy_helpers.lessons.lesson04_first_step" in shipped

@@ -58,7 +58,7 @@ def test_plots_leave_no_pyplot_figures_open(trace):
 def test_slider_panel_shows_the_returned_figure():
     import ipywidgets as w
 
-    from anatomy_helpers.widgets import slider_panel
+    from anatomy_helpers.ui.widgets import slider_panel
 
     def fn(a: int = 2, b: str = "x", c: int = 5):
         return f"{a}{b}{c}"
@@ -80,7 +80,7 @@ def test_slider_panel_shows_the_returned_figure():
 def test_slider_panel_labels_are_as_wide_as_their_text_and_controls_wrap():
     import ipywidgets as w
 
-    from anatomy_helpers.widgets import slider_panel
+    from anatomy_helpers.ui.widgets import slider_panel
 
     def fn(micro_batches: int = 1, implementation: str = "x", n: int = 2):
         return None
@@ -121,7 +121,7 @@ def test_multi_panel_legend_lists_every_category_any_panel_draws(trace):
 
 
 def test_optimizer_phase_panels_one_per_step(trace):
-    from anatomy_helpers.plots import plot_optimizer_phase
+    from anatomy_helpers.ui.plots import plot_optimizer_phase
 
     fig = plot_optimizer_phase({"adamw": trace}, steps=(1, 2))
     assert [ax.get_title() for ax in fig.axes] == ["adamw: step 1", "adamw: step 2"]
@@ -129,8 +129,8 @@ def test_optimizer_phase_panels_one_per_step(trace):
 
 
 def test_budget_plot_marks_the_failure_and_the_model_that_does_not_fit():
-    from anatomy_helpers.budget import try_budget
-    from anatomy_helpers.plots import plot_budget_run
+    from anatomy_helpers.training.budget import try_budget
+    from anatomy_helpers.ui.plots import plot_budget_run
 
     failed = try_budget(2**20, batch_size=2, steps=2, **SMALL)  # SMALL's step 2 needs more than 1 MiB
     assert not failed.passed
@@ -172,7 +172,7 @@ def test_package_storage_bytes_counts_each_storage_once_and_filters_by_device():
 
 
 def test_module_bars_label_both_axes_name_the_no_module_row_and_total_every_category(small_trace):
-    from anatomy_helpers.plots import OUTSIDE_MODULES, plot_module_bars
+    from anatomy_helpers.ui.plots import OUTSIDE_MODULES, plot_module_bars
 
     fig = plot_module_bars(small_trace, step=1, phase="forward")
     ax = fig.axes[0]
@@ -190,14 +190,14 @@ def test_module_bars_label_both_axes_name_the_no_module_row_and_total_every_cate
 
 
 def test_format_bytes_picks_the_unit():
-    from anatomy_helpers.units import format_bytes
+    from anatomy_helpers.core.units import format_bytes
 
     assert [format_bytes(n) for n in (512, 1536, 3 * 2**20, 5 * 2**30)] == ["512 B", "1.50 KiB", "3.00 MiB", "5.00 GiB"]
 
 
 def test_figure_digest_sees_the_data_not_the_text():
-    from anatomy_helpers.plots import CourseFigure
-    from anatomy_helpers.widgets import figure_digest
+    from anatomy_helpers.ui.plots import CourseFigure
+    from anatomy_helpers.ui.widgets import figure_digest
 
     def figure(values, title):
         fig = CourseFigure()
@@ -214,8 +214,8 @@ def test_figure_digest_sees_the_data_not_the_text():
 
 def test_figure_digest_counts_the_numbers_a_panel_computed():
     """fit_panel's device line may be off the scale: the device's memory still changes the panel's digest."""
-    from anatomy_helpers.plots import CourseFigure
-    from anatomy_helpers.widgets import figure_digest
+    from anatomy_helpers.ui.plots import CourseFigure
+    from anatomy_helpers.ui.widgets import figure_digest
 
     def figure(numbers):
         fig = CourseFigure()

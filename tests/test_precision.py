@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from anatomy_helpers import make_model
-from anatomy_helpers.data import get_batch
-from anatomy_helpers.lessons.scaling import CONFIG, GLOBAL_BATCH, precision_table
+from anatomy_helpers.core.data import get_batch
+from anatomy_helpers.lessons.lesson08_scaling import CONFIG, GLOBAL_BATCH, precision_table
 
 
 def saved_parameter_copies(model, batch_size: int) -> int:

@@ -10,9 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.lessons.prediction import fit_panel
-from anatomy_helpers.model import GPT, ModelConfig
-from anatomy_helpers.plots import DEVICE_LINE_RANGE, plot_fit
+from anatomy_helpers.core.model import GPT, ModelConfig
+from anatomy_helpers.lessons.lesson06_prediction import fit_panel
 from anatomy_helpers.prediction.allocator import min_limit_to_pass
 from anatomy_helpers.prediction.cuda_rules import CudaRuleError
 from anatomy_helpers.prediction.devices import (
@@ -28,8 +27,9 @@ from anatomy_helpers.prediction.fit import FitRequest, will_it_fit
 from anatomy_helpers.prediction.fixes import cheapest_fix, fixes_table
 from anatomy_helpers.prediction.flops import config_step_flops
 from anatomy_helpers.prediction.levers import EFFECTS, levers
-from anatomy_helpers.step import gpt_loss
 from anatomy_helpers.tracking.tracker import StepTracker
+from anatomy_helpers.training.step import gpt_loss
+from anatomy_helpers.ui.plots import DEVICE_LINE_RANGE, plot_fit
 
 from .conftest import SMALL
 

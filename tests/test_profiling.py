@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from anatomy_helpers import load_text, make_model, make_optimizer, track_steps
-from anatomy_helpers.lessons.profiling import (
+from anatomy_helpers.lessons.lesson07_profiling import (
     check_answer,
     event_counts,
     format_step_peaks,

@@ -9,8 +9,8 @@ import torch
 from torch.cuda import _memory_viz
 
 from anatomy_helpers import get_batch, make_model, make_optimizer
-from anatomy_helpers.cuda import cuda_release
 from anatomy_helpers.prediction.allocator import allocator_at
+from anatomy_helpers.prediction.cuda import cuda_release
 from anatomy_helpers.prediction.snapshot import record_cuda_snapshot, snapshot_from_replay, write_memory_viz
 
 from .conftest import SMALL, make_record

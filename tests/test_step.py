@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from anatomy_helpers import get_batch, make_model, make_optimizer, track_steps
+from anatomy_helpers.core.model import ModelConfig
 from anatomy_helpers.distributed.ranks import RankJob, track_steps_untracked
-from anatomy_helpers.lessons.profiling import profile_steps
-from anatomy_helpers.model import ModelConfig
+from anatomy_helpers.lessons.lesson07_profiling import profile_steps
 from anatomy_helpers.prediction.dryrun import dry_run_config
-from anatomy_helpers.step import StepHooks, StepPlan, run_step
+from anatomy_helpers.training.step import StepHooks, StepPlan, run_step
 
 from .conftest import SMALL
 

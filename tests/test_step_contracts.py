@@ -11,10 +11,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
-from anatomy_helpers.data import get_batch
-from anatomy_helpers.model import chunked_cross_entropy
-from anatomy_helpers.step import StepPlan, run_step
-from anatomy_helpers.train import train_step
+from anatomy_helpers.core.data import get_batch
+from anatomy_helpers.core.model import chunked_cross_entropy
+from anatomy_helpers.training.step import StepPlan, run_step
+from anatomy_helpers.training.train import train_step
 
 from .conftest import SMALL
 

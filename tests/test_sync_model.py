@@ -92,7 +92,7 @@ def test_scaling_curve_prices_fsdp2_by_the_rule_as_it_would_price_the_dry_run():
 def test_the_scaling_plot_has_one_line_per_strategy_and_units():
     import matplotlib.pyplot as plt
 
-    from anatomy_helpers.plots import OKABE_ITO, STRATEGY_COLORS, plot_scaling
+    from anatomy_helpers.ui.plots import OKABE_ITO, STRATEGY_COLORS, plot_scaling
 
     colls = [_coll("backward", "allreduce_", 4_000_000)]
     curves = {
@@ -191,8 +191,8 @@ def test_a_tp_ranks_flops_are_its_share_of_the_blocks_and_the_whole_head():
     """FlopCounterMode on one rank's GEMM widths against the closed form: forward 2 x (rows s) x (12 h^2 / t) per
     block for the four GEMMs, plus 4 rows s^2 h / t for attention's two products; backward twice forward; the head
     2 rows s h V, whole on every rank."""
+    from anatomy_helpers.core.model import ModelConfig
     from anatomy_helpers.distributed.sync_model import tp_rank_flops
-    from anatomy_helpers.model import ModelConfig
 
     cfg = ModelConfig(**MESH_MODEL)
     r, s, h, v, layers = 3, cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.n_layer

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from anatomy_helpers.core.model import ModelConfig
 from anatomy_helpers.distributed.tensor_parallel import (
     GAP_REASONS,
     LLAMA_TERM_MODULE,
@@ -23,7 +24,6 @@ from anatomy_helpers.distributed.tensor_parallel import (
     tp_dry_run,
 )
 from anatomy_helpers.distributed.tp_plan import check_tp, qkv_rank_order
-from anatomy_helpers.model import ModelConfig
 from anatomy_helpers.prediction.estimate import layer_activation_bytes
 from anatomy_helpers.prediction.formulas import KORTHIKANTI_TERMS
 
@@ -97,7 +97,7 @@ def test_bad_tp_degrees_are_refused_before_anything_starts():
 
 def test_the_attention_computes_its_local_heads_from_qkvs_width():
     """What makes the course GPT splittable: with a rank's share of qkv's columns, the attention runs its heads."""
-    from anatomy_helpers.model import CausalSelfAttention
+    from anatomy_helpers.core.model import CausalSelfAttention
 
     attn = CausalSelfAttention(ModelConfig(n_layer=1, d_model=32, n_head=4, seq_len=8))
     local = torch.nn.Linear(32, 3 * 16)  # 2 of the 4 heads
@@ -211,7 +211,7 @@ def test_every_llama_term_names_a_module_of_the_block():
 
 
 def _block():
-    from anatomy_helpers.model import LlamaBlock
+    from anatomy_helpers.core.model import LlamaBlock
 
     return LlamaBlock(ModelConfig(n_layer=1, d_model=32, n_head=4, seq_len=8, block="llama"))
 
@@ -283,7 +283,7 @@ def test_tp_degrees_that_split_a_key_value_head_are_refused():
 
 
 def test_the_llama_attention_computes_its_local_heads_from_qkvs_width():
-    from anatomy_helpers.model import LlamaAttention
+    from anatomy_helpers.core.model import LlamaAttention
 
     attn = LlamaAttention(ModelConfig(n_layer=1, d_model=32, n_head=8, n_kv_head=4, seq_len=8, block="llama"))
     attn.qkv = torch.nn.Linear(32, (4 + 2 * 2) * 4, bias=False)  # one rank of 2: 4 query heads, 2 key/value heads
@@ -321,7 +321,7 @@ def test_the_llama_2d_rank_states_read_the_llama_plan():
 def test_the_lessons_tables_print_each_term_and_each_part(llama_runs):
     """Notebook 11's two tables: the formula term by term (format_llama_terms) and the parts side by side."""
     from anatomy_helpers.distributed.tensor_parallel import format_llama_terms
-    from anatomy_helpers.lessons.scale import format_tp_columns
+    from anatomy_helpers.lessons.lesson11_scale import format_tp_columns
 
     terms = format_llama_terms(LLAMA, BATCH)
     assert all(term in terms for term, *_ in LLAMA_TERMS)

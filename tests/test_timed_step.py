@@ -105,7 +105,7 @@ def test_the_model_fed_measured_compute_prices_every_quantity_of_the_measured_st
 
 
 def test_the_timeline_plot_draws_every_rank_and_bucket(ranks):
-    from anatomy_helpers.lessons.scale import plot_timed_step
+    from anatomy_helpers.lessons.lesson11_scale import plot_timed_step
 
     fig = plot_timed_step(ranks)
     synced, straggler = fig.axes[:2]

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from anatomy_helpers.tables import Col, format_table
+from anatomy_helpers.core.tables import Col, format_table
+from anatomy_helpers.core.units import round_up
 from anatomy_helpers.tracking.events import CATEGORIES, PHASES, AllocationRecord, model_part, model_parts
-from anatomy_helpers.units import round_up
 
 from .conftest import make_record
 

@@ -377,7 +377,7 @@ def test_a_budget_below_the_model_itself_fails_before_step_one(small):
 def test_on_device_matches_the_type_and_the_index_only_when_given():
     from types import SimpleNamespace
 
-    from anatomy_helpers.tensors import on_device
+    from anatomy_helpers.core.tensors import on_device
 
     on_gpu0 = SimpleNamespace(device=torch.device("cuda", 0))  # on_device only reads .device
     assert on_device(on_gpu0, "cuda") and on_device(on_gpu0, "cuda:0") and not on_device(on_gpu0, "cuda:1")
@@ -403,7 +403,7 @@ def test_targets_handed_only_to_the_loss_are_inputs(small):
 
 
 def test_ops_are_classified_by_what_their_outputs_are():
-    from anatomy_helpers.tensors import ALLOCATES, IN_PLACE, REUSES, VIEWS, op_outputs
+    from anatomy_helpers.core.tensors import ALLOCATES, IN_PLACE, REUSES, VIEWS, op_outputs
 
     aten = torch.ops.aten
     expected = {

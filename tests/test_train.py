@@ -29,7 +29,7 @@ def test_cuda_on_a_cpu_only_machine_is_a_clear_error_before_building_anything():
         ({"steps": True}, "steps"),
         ({"batch_size": 0}, "batch_size"),
         ({"batch_size": "8"}, "batch_size"),
-        ({"keep": "loss"}, "no option 'keep'"),  # a lesson's pitfall, now lessons/backward.py's StepHooks
+        ({"keep": "loss"}, "no option 'keep'"),  # a lesson's pitfall, now lessons/lesson02_backward.py's StepHooks
         ({"retain_graph": True}, "no option 'retain_graph'"),
     ],
 )

@@ -13,7 +13,7 @@ import sys
 
 import torch.distributed as dist
 
-from .ranks import STRATEGIES, RankJob, _process_group, run_job
+from .ranks import STRATEGIES, RankJob, rank_process_group, run_job
 from .world import check_jobs, format_rank_table, rank_row, rank_rows, run_world, worker_main
 
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a bad argument: a message and exit code 2, not a traceback
         parser.error(str(e))
     if torchrun:
-        with _process_group(args.backend) as (rank, world_size, device):
+        with rank_process_group(args.backend) as (rank, world_size, device):
             mine = [run_job(job, rank, world_size, device) for job in jobs]
             gathered = [None] * world_size if rank == 0 else None
             dist.gather_object([rank_row(r) for r in mine], gathered, dst=0)

@@ -6,7 +6,8 @@ Here one process plays rank ``rank`` of ``world_size`` ranks: torch's fake proce
 moves no data) under ``FakeTensorMode`` (tensors with shapes and storages sizes but no data,
 :mod:`~anatomy_helpers.prediction.dryrun`). The rank runs :func:`~anatomy_helpers.distributed.ranks.run_job`, the
 code a real rank runs: the same wrappers (DDP, ZeroRedundancyOptimizer, FSDP2 ``fully_shard``), the same warm-up,
-the same tracked :func:`~anatomy_helpers.step.run_step` with a :class:`~anatomy_helpers.distributed.ranks.RankTracker`.
+the same tracked :func:`~anatomy_helpers.training.step.run_step` with a
+:class:`~anatomy_helpers.distributed.ranks.RankTracker`.
 So its :class:`~anatomy_helpers.distributed.ranks.RankResult` has the same Trace, collectives and torch figures a
 real rank sends back, for any N (a fake rank of 4,096 takes about as long as one of 2).
 
@@ -28,12 +29,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..checks import rank_of_world, torch_at_least
-from ..interrupts import DeferredInterrupt
-from ..model import GPT, ModelConfig
-from ..prediction.dryrun import build_fake_model, course_batch
-from .ranks import MESH_STRATEGIES, Collective, RankJob, RankResult, run_job
-from .world import check_rows
+from ..core.checks import rank_of_world, torch_at_least
+from ..core.interrupts import DeferredInterrupt
+from ..core.model import GPT, ModelConfig
+from ..core.tables import Col, format_table
+from ..core.units import GiB, KiB
+from ..prediction.dryrun import build_fake_model, check_ops, course_batch, twin_config
+from ..prediction.fake_check import CheckedFakeTensorMode
+from ..prediction.formulas import ZERO_STAGE, zero_model_states
+from .mesh2d import check_mesh, make_mesh, tp_split_dims
+from .ranks import MESH_STRATEGIES, STRATEGIES, Collective, RankJob, RankResult, run_job
+from .tp_plan import check_tp
+from .world import check_rows, rank_row
 
 #: What a fake rank cannot do as a real one does, and the rule used instead (each one leaves the bytes unchanged;
 #: tests/test_fake_world.py checks the tables against real gloo ranks byte for byte).
@@ -74,23 +81,21 @@ class FakeRun:
     seconds: float
 
 
-def _check(job: RankJob, world_size: int, rank: int, *, fake: bool = True) -> None:
+def check_rank_job(job: RankJob, world_size: int, rank: int, *, fake: bool = True) -> None:
     if not isinstance(job, RankJob):
         raise ValueError(f"job must be a RankJob, got {type(job).__name__}")
     rank_of_world(rank, world_size, at_most=MAX_WORLD_SIZE)
     check_rows(job, world_size)  # a 2-D mesh: the N / tp nodes split the batch, a node's ranks share it
     if job.strategy in MESH_STRATEGIES:
-        from .tp_plan import check_tp
-
         check_tp(ModelConfig(**job.model), job.tp)
     if not fake:
         return
     if job.fault is not None or job.straggler_s:
         raise ValueError("a fake rank runs no faults and no stragglers (those are for real ranks' timing)")
-    _check_free()
+    check_no_process_group()
 
 
-def _check_free() -> None:
+def check_no_process_group() -> None:
     if dist.is_initialized():
         raise ValueError(
             "a process group is already initialised in this process: a fake rank needs its own (run it outside "
@@ -101,7 +106,7 @@ def _check_free() -> None:
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0):
     """torch's fake process group for ``rank`` of ``world_size``, destroyed on the way out whatever happens."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test-only fake process group
 
     # Checked: 2.11 runs every dry run of ranks; 2.9 and 2.10 have no fake kernel for c10d's barrier and scatter.
     torch_at_least((2, 11), "a dry run of ranks (fake process group and fake tensors)")
@@ -123,22 +128,21 @@ def dry_run_rank(job: RankJob, world_size: int, rank: int = 0) -> FakeRun:
     the world, a process group already up) raises ValueError before anything starts; the fake process group and
     the fake mode are gone when it returns or raises.
     """
-    from ..prediction.dryrun import _check_ops, _small_twin
 
-    _check(job, world_size, rank)
+    check_rank_job(job, world_size, rank)
     cfg = ModelConfig(**job.model)  # a bad config fails here
     run, calls = fake_rank(
         job, world_size, rank, lambda: GPT(cfg), lambda step: course_batch(job.batch_size, cfg.seq_len)
     )
 
     def twin_calls() -> dict:
-        twin = _small_twin(cfg)
+        twin = twin_config(cfg)
         small = dataclasses.replace(job, model=dataclasses.asdict(twin))
         return fake_rank(
             small, world_size, rank, lambda: GPT(twin), lambda step: course_batch(small.batch_size, twin.seq_len)
         )[1]
 
-    _check_ops(calls, f"rank {rank} of {world_size} ({job.strategy})", twin_calls)
+    check_ops(calls, f"rank {rank} of {world_size} ({job.strategy})", twin_calls)
     return run
 
 
@@ -152,7 +156,6 @@ def fake_rank(
     the fake mode. The course GPT (:func:`dry_run_rank`) and a Hugging Face fine-tune (distributed/hf_fit.py,
     ``trainee``: ranks.Trainee) both come here. ``mode``: the fake mode (a CheckedFakeTensorMode; default a new
     one); ``around``: a context the job runs inside, in the fake mode."""
-    from ..prediction.fake_check import CheckedFakeTensorMode
 
     start = time.perf_counter()
     # Ctrl-C inside FakeTensorMode's Python, called from torch's C++ dispatcher, aborts the process (see dryrun.py)
@@ -169,8 +172,6 @@ def fake_rank(
 
                 mesh = init_device_mesh("cpu", (world_size,))
             elif job.strategy in MESH_STRATEGIES:
-                from .mesh2d import make_mesh
-
                 mesh = make_mesh("cpu", world_size, job.tp)
             with mode, around if around is not None else contextlib.nullcontext():
                 cpu = torch.device("cpu")
@@ -221,11 +222,10 @@ def model_states_rule(model: dict, strategy: str, world_size: int, rank: int = 0
     The ZeRO paper's formulas (:func:`~anatomy_helpers.prediction.formulas.zero_model_states`) are these rules with
     every split even, no padding, no buffers and no step counts.
     """
-    from ..prediction.formulas import ZERO_STAGE
 
     if strategy not in ZERO_STAGE:
         raise ValueError(f"strategy must be one of {tuple(ZERO_STAGE)}, got {strategy!r}")
-    _check(RankJob(strategy, batch_size=world_size, model=dict(model)), world_size, rank, fake=False)
+    check_rank_job(RankJob(strategy, batch_size=world_size, model=dict(model)), world_size, rank, fake=False)
     with torch.device("meta"):
         gpt = GPT(ModelConfig(**model))
     params = list(gpt.parameters())  # as the optimizer sees them: a tied weight once
@@ -261,11 +261,9 @@ def mesh_states_rule(model: dict, world_size: int, tp: int, rank: int = 0) -> di
       parameter; the buffers (the causal masks) whole, counted as parameters.
 
     With no whole (replicated) parameters and no padding this is the ZeRO-3 formula at N = tp x dp ranks."""
-    from .mesh2d import check_mesh, tp_split_dims
-    from .tp_plan import check_tp
 
     dp = check_mesh(world_size, tp)
-    _check(RankJob("tp_fsdp", batch_size=dp, model=dict(model), tp=tp), world_size, rank, fake=False)
+    check_rank_job(RankJob("tp_fsdp", batch_size=dp, model=dict(model), tp=tp), world_size, rank, fake=False)
     cfg = ModelConfig(**model)
     check_tp(cfg, tp)
     with torch.device("meta"):
@@ -309,7 +307,7 @@ def fsdp_collectives_rule(model: dict, world_size: int) -> list[Collective]:
 
     ``index`` and ``time_s`` are 0 (a rule has no timeline), ``step`` 1. tests/test_fake_world.py checks the list
     against dry-run ranks, op by op and byte for byte."""
-    _check(RankJob("fsdp2_zero3", batch_size=world_size, model=dict(model)), world_size, 0, fake=False)
+    check_rank_job(RankJob("fsdp2_zero3", batch_size=world_size, model=dict(model)), world_size, 0, fake=False)
     if world_size == 1:
         return []
     with torch.device("meta"):
@@ -350,7 +348,6 @@ def rank_differences(real: RankResult, fake: RankResult) -> dict[str, tuple]:
     and at its peak, the peak), torch's own figures, the activation peak, the timeline's length, and the collectives
     (op and bytes, in order). DDP's buckets: a fake rank keeps DDP's first bucket assignment (FAKE_RULES), so for
     DDP and ZeRO-1 the gradient all-reduces are compared by their total bytes, every other collective one by one."""
-    from .world import rank_row
 
     out: dict[str, tuple] = {}
     a, b = rank_row(real), rank_row(fake)
@@ -410,8 +407,6 @@ def world_rows(
 ) -> list[WorldRow]:
     """Dry-run ranks ``ranks`` (negative: from the end, -1 the last) of each strategy at each world size, one tracked
     step after the warm-up, ``rows_per_rank`` rows of the course batches per rank. Returns their :class:`WorldRow`."""
-    from ..prediction.formulas import zero_model_states
-    from .ranks import STRATEGIES
 
     out = []
     for strategy in strategies or STRATEGIES:
@@ -441,8 +436,6 @@ def world_rows(
 def format_world_table(rows: list[WorldRow]) -> str:
     """The per-rank table: what each dry-run rank holds (KiB below 2 GiB peaks, else GiB), its model states against
     the formula and the rules."""
-    from ..tables import Col, format_table
-    from ..units import GiB, KiB
 
     unit, scale = ("GiB", GiB) if max(r.peak for r in rows) >= 2 * GiB else ("KiB", KiB)
     fmt = ",.2f" if unit == "GiB" else ",.0f"

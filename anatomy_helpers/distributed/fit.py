@@ -26,6 +26,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..core.tables import Col, format_table
+from ..core.units import GiB, KiB
+from .fake_world import dry_run_rank, mesh_states_rule, model_states_rule
+from .ranks import RankJob
+
 #: Model shapes of the GPT-2 block (LayerNorm, 4h GELU MLP, biases, tied embeddings) at the widths and depths of
 #: LLaMA 7B and Llama 2 70B (Touvron et al. 2023), with sdpa attention (no s x s scores kept) and fp32 weights,
 #: gradients and AdamW state: 16 bytes a parameter, as the ZeRO paper's mixed-precision Adam. A sequence of 4,096
@@ -66,14 +71,12 @@ class RankMemory:
 
 
 def _job(model: dict, strategy: str, world_size: int, tp: int, rows: int):
-    from .ranks import RankJob
 
     return RankJob(strategy, steps=1, batch_size=rows * world_size // tp, model=dict(model), tp=tp)
 
 
 def states_rule(model: dict, strategy: str, world_size: int, tp: int = 1, rank: int = 0) -> dict[str, int]:
     """The exact model states of rank ``rank`` (fake_world's or mesh2d's rules, from the shapes alone)."""
-    from .fake_world import mesh_states_rule, model_states_rule
 
     if strategy == "tp_fsdp":
         return mesh_states_rule(model, world_size, tp, rank)
@@ -85,7 +88,6 @@ def dry_run_memory(
 ) -> RankMemory:
     """Rank ``rank``'s memory from a full dry run of ``model`` (fake_world.dry_run_rank), ``rows`` rows per
     data-parallel rank."""
-    from .fake_world import dry_run_rank
 
     return memory_of(name, dry_run_rank(_job(model, strategy, world_size, tp, rows), world_size, rank).result, tp)
 
@@ -172,8 +174,6 @@ def from_records(records: list[dict]) -> list[RankMemory]:
 def format_fit_table(rows: list[RankMemory], device_bytes: int | None = DEVICE_BYTES, unit: str = "GiB") -> str:
     """One rank's memory per shape, strategy and N (``unit``: "GiB" or "KiB"), and whether its peak fits a
     ``device_bytes`` device (None: no such column)."""
-    from ..tables import Col, format_table
-    from ..units import GiB, KiB
 
     scale = {"GiB": GiB, "KiB": KiB}[unit]
     cols = [

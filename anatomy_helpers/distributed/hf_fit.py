@@ -5,7 +5,8 @@ torch's fake process group, by the engine lesson 08's per-rank tables use for th
 :func:`~anatomy_helpers.distributed.fake_world.dry_run_rank` runs for the course GPT) with a Hugging Face model:
 the same :func:`~anatomy_helpers.distributed.ranks.run_job` (the same wrappers: DDP, ZeRO-1's
 ZeroRedundancyOptimizer, FSDP2's ``fully_shard`` of each decoder layer then the root; the same warm-up; the same
-tracked :func:`~anatomy_helpers.step.run_step`, here of :func:`~anatomy_helpers.prediction.hf_step.hf_plan`'s loss
+tracked :func:`~anatomy_helpers.training.step.run_step`, here of :func:`~anatomy_helpers.prediction.hf_step.hf_plan`'s
+loss
 and autocast), told what it trains by a :class:`~anatomy_helpers.distributed.ranks.Trainee`. So the optimizer's
 temporaries, DDP's buckets, FSDP2's all-gathered layers and reduce-scatter outputs are those of one rank of the
 sharded step, not the one-device step's with its model states divided by the ZeRO formulas.
@@ -23,14 +24,15 @@ import functools
 
 import torch.nn as nn
 
-from ..checks import one_of, positive_int
-from ..prediction.dryrun import _check_ops
+from ..core.checks import one_of, positive_int
+from ..prediction.dryrun import check_ops
 from ..prediction.fit import FitReport, size_text
+from ..prediction.hf import hf_config
 from ..prediction.hf_fit import MODEL_STATES, check_request, describe_hf, fit_report_hf
 from ..prediction.hf_fixes import LORA_RANK, hf_step_flops
 from ..prediction.hf_step import (
     FineTune,
-    _check_positions,
+    check_positions,
     dry_run_hf,
     hf_batch,
     hf_dry_run,
@@ -42,7 +44,7 @@ from ..prediction.hf_step import (
 )
 from ..prediction.levers import Fix, ranked
 from ..tracking.trace import Trace
-from .fake_world import FakeRun, _check, fake_rank
+from .fake_world import FakeRun, check_rank_job, fake_rank
 from .ranks import RankJob, Trainee
 
 #: ``zero`` stage -> lesson 08's strategy (distributed/ranks.py STRATEGIES).
@@ -79,7 +81,7 @@ def hf_job(ft: FineTune, world_size: int, zero: int) -> tuple[RankJob, Trainee]:
 
 def _hf_rank(cfg, ft: FineTune, world_size: int, zero: int, rank: int) -> tuple[FakeRun, dict]:
     job, trainee = hf_job(ft, world_size, zero)
-    _check(job, world_size, rank)
+    check_rank_job(job, world_size, rank)
     whole = dataclasses.replace(ft, batch_size=job.batch_size)  # the global batch: each rank copies its rows
     batch = functools.partial(hf_batch, cfg.vocab_size, whole, fake=True)
 
@@ -95,15 +97,14 @@ def dry_run_hf_rank(model, ft: FineTune, world_size: int = 2, zero: int = 0, ran
     says under ZeRO stage ``zero``: :data:`WARMUP` untracked steps, then two tracked ones. Exact or refused as every
     dry run: each op signature is checked against the real kernel, on the tiny twin (hf_step.twin_config) at the
     same world size where the call is too large to run here; DryRunError naming the op otherwise."""
-    from ..prediction.hf import hf_config
 
     cfg = hf_config(model)
     positive_int("world_size", world_size)
-    _check_positions(cfg, ft)
+    check_positions(cfg, ft)
     run, calls = _hf_rank(cfg, ft, world_size, zero, rank)
     twin, small = twin_config(cfg, ft), twin_fine_tune(ft)
     what = f"rank {rank} of {world_size} ({ZERO_STRATEGIES[zero]}) of {cfg.model_type}"
-    _check_ops(calls, what, lambda: _hf_rank(twin, small, world_size, zero, rank)[1])
+    check_ops(calls, what, lambda: _hf_rank(twin, small, world_size, zero, rank)[1])
     return run
 
 

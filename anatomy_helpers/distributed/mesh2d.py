@@ -15,7 +15,10 @@ dim-0 chunk of it). Bytes everywhere.
 
 from __future__ import annotations
 
-from ..model import GPT
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+from ..core.model import GPT
+from .tp_plan import parallelize_gpt, tp_plan
 
 MESH_DIMS = ("dp", "tp")
 
@@ -35,7 +38,7 @@ def check_mesh(world_size: int, tp: int) -> int:
 
 def make_mesh(device_type: str, world_size: int, tp: int):
     """The ``(N / tp, tp)`` DeviceMesh with dims ("dp", "tp") over the initialised process group."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # loaded where a rank or a mesh is built
 
     dp = check_mesh(world_size, tp)
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
@@ -49,10 +52,7 @@ def parallelize_2d(gpt: GPT, mesh, reshard_after_forward: bool = True) -> GPT:
     FSDP2 joins the dp and tp meshes (``DeviceMesh._concatenate``), which computes the joined mesh's rank tensor
     from real integers, an op a FakeTensorMode refuses. The parameters stay fake (a fake tensor's ops go back to its
     own mode); that is checked here, so nothing real the size of a parameter is ever made."""
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-    from torch.distributed.fsdp import fully_shard
-
-    from .tp_plan import parallelize_gpt
+    from torch.distributed.fsdp import fully_shard  # loaded where a rank or a mesh is built
 
     if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
         raise ValueError(f"the mesh must have the dims {MESH_DIMS}, got {mesh.mesh_dim_names}")
@@ -78,9 +78,10 @@ def tp_split_dims(sequence_parallel: bool = False, block: str = "gpt2") -> dict[
     """``{parameter name in a block: the dim TP shards}`` read from the plan itself: ColwiseParallel shards a
     Linear's weight and bias along dim 0 (output features), RowwiseParallel its weight along dim 1 (input
     features) and keeps its bias whole; every other parameter is whole on each TP rank (torch's TP docs)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from .tp_plan import tp_plan
+    from torch.distributed.tensor.parallel import (  # loaded where a rank or a mesh is built
+        ColwiseParallel,
+        RowwiseParallel,
+    )
 
     out = {}
     for module, style in tp_plan(sequence_parallel, block).items():

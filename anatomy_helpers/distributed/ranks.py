@@ -33,15 +33,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..step import StepPlan, run_step
-from ..tensors import optimizer_state_tensors, storage_bytes
+from ..core.tensors import optimizer_state_tensors, storage_bytes
 from ..tracking.events import COMMUNICATION, GRADIENTS, Peak
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
+from ..training.step import StepPlan, run_step
+from ..training.train import make_model, track_steps
+from .fake_ddp import fake_ddp
 from .gloo_release import blocking, run_blocking
+from .mesh2d import make_mesh, parallelize_2d
+from .tp_plan import parallelize_gpt
 
 STRATEGIES = {
     "ddp": "DDP (gradients copied into buckets)",
@@ -286,7 +291,6 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None, trainee: Trai
     its start-up check and broadcast of the weights (``init_sync=False``: they read values a fake tensor lacks; what
     they allocate is freed before the first step). ``mesh``: FSDP2's device mesh (a dry run makes it outside the
     fake mode); None: one dimension of all ranks, on this rank's device."""
-    from ..train import make_model
 
     fake = gpt is not None
     gpt = make_model(device=device, seed=0, **job.model) if gpt is None else gpt
@@ -305,31 +309,23 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None, trainee: Trai
 
     ids = [device.index] if device.type == "cuda" else None
     if job.strategy in ("ddp", "ddp_bucket_view", "zero1"):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         wrapped = DDP(
             gpt, device_ids=ids, gradient_as_bucket_view=job.strategy == "ddp_bucket_view", init_sync=not fake
         )
         if fake:
-            from .fake_ddp import fake_ddp
-
             fake_ddp(wrapped)
         return wrapped, gpt, optimizer(zero1=job.strategy == "zero1")
     if job.strategy in MESH_STRATEGIES:
-        from .mesh2d import make_mesh, parallelize_2d
-
         parallelize_2d(gpt, mesh if mesh is not None else make_mesh(device.type, dist.get_world_size(), job.tp))
         return gpt, gpt, optimizer()
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # loaded where a rank or a mesh is built
 
     # On the rank's device: fully_shard's default mesh is on the GPU, and sets GPU LOCAL_RANK even for a gloo rank.
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     if job.strategy in TP_STRATEGIES:
-        from .tp_plan import parallelize_gpt
-
         parallelize_gpt(gpt, mesh, sequence_parallel=job.strategy == "tp_sp")
         return gpt, gpt, optimizer()
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # loaded where a rank or a mesh is built
 
     reshard = job.strategy == "fsdp2_zero3"
     for block in gpt.blocks if trainee is None else trainee.blocks(gpt):
@@ -367,7 +363,6 @@ def run_job(
     A dry run (fake_world.py) passes its fake ``gpt``, FSDP2's ``mesh`` and ``batch(i)``, the global batch of step
     ``i`` (fake tensors shaped and allocated as the course batches are); the step itself is the same. ``trainee``:
     ``gpt`` is not the course GPT but this (:class:`Trainee`)."""
-    from ..train import track_steps
 
     if job.fault is not None and rank == job.fault_rank:
         _fail(job.fault)
@@ -458,7 +453,8 @@ def _cdata(p: torch.Tensor) -> int:
 
 def track_steps_untracked(wrapped, opt, job: RankJob, rank: int, world_size: int, **step) -> None:
     """``job.warmup`` plain training steps of this rank: the step the tracked steps run (same rows, micro-batches
-    and seed, :func:`~anatomy_helpers.step.run_step`) on batches 1000, 1001, ..., nothing recorded. ``step``: more
+    and seed, :func:`~anatomy_helpers.training.step.run_step`) on batches 1000, 1001, ..., nothing recorded. ``step``:
+    more
     StepPlan fields (a dry run's ``batch``)."""
     plan = StepPlan(
         job.batch_size, job.micro_batches, rank=rank, world_size=world_size, seed=1, first_batch=1000, **step
@@ -486,7 +482,7 @@ def _rank_device(backend: str) -> torch.device:
 
 
 @contextlib.contextmanager
-def _process_group(backend: str | None):
+def rank_process_group(backend: str | None):
     """Join the process group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment, as torchrun and
     :func:`~anatomy_helpers.distributed.world.run_world` set them): nccl when every rank has a GPU, else gloo. Yields
     (rank, world size, this rank's device); leaves the group whatever happens."""

@@ -3,7 +3,7 @@
 Everything here is a *model*, with its assumptions in one place (:data:`ASSUMPTIONS`); what goes in is measured:
 
 * compute: the FLOPs of one rank's forward and backward as torch's ``FlopCounterMode`` counts them
-  (:func:`~anatomy_helpers.step.step_flops`), at a device's peak throughput times a stated utilisation;
+  (:func:`~anatomy_helpers.training.step.step_flops`), at a device's peak throughput times a stated utilisation;
 * communication: the bytes each rank's collectives carry, read from a rank's trace (a real rank's, or a dry-run
   rank of any N from :mod:`~anatomy_helpers.distributed.fake_world`; FSDP2's from the rule that equals its dry
   run, which grows with N), priced with the alpha-beta cost of ring
@@ -25,12 +25,21 @@ Seconds and bytes everywhere; bandwidths in bytes per second.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from torch import nn
 
-from .ranks import FUNCTIONAL_COLLECTIVES, Collective
+from ..core.model import GPT, ModelConfig
+from ..training.step import StepPlan, run_step, step_flops
+from ..training.train import make_model, make_optimizer
+from .fake_world import dry_run_rank, fsdp_collectives_rule
+from .mesh2d import check_mesh
+from .ranks import FUNCTIONAL_COLLECTIVES, MESH_STRATEGIES, Collective, RankJob
+from .tp_plan import check_tp
 
 ASSUMPTIONS = (
     "Ring collectives on one link per rank (the slowest on the ring: inter-node once N exceeds a node); no tree "
@@ -223,7 +232,6 @@ def price_step(
     ``tp`` > 1: a 2-D mesh of ``n / tp`` nodes of ``tp`` ranks. TP's collectives (:func:`is_tensor_parallel`) are
     priced on ``tp`` ranks over ``tp_link`` and all exposed; the others on the ``n / tp`` data-parallel ranks over
     ``link``, overlapped as with one dimension."""
-    from .mesh2d import check_mesh
 
     check_mesh(n, tp)
     if tp == 1 and any(is_tensor_parallel(c.op) for c in collectives):
@@ -301,9 +309,6 @@ def gradient_ready_order(model, batch: Sequence) -> list[int]:
     """Indices of ``model``'s parameters in the order backward finishes their gradients (one forward and backward
     of ``batch``, the course loss): the order DDP's reducer records in its first backward (it hooks the same
     gradient accumulators, ``register_post_accumulate_grad_hook``). Runs on meta tensors too."""
-    import torch
-
-    from ..step import StepPlan, run_step
 
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}
@@ -323,9 +328,6 @@ def gradient_ready_order(model, batch: Sequence) -> list[int]:
 def ddp_bucket_bytes(model: dict, rows: int = 1, bucket_cap_mb: float | None = None) -> list[int]:
     """Bytes of each of DDP's buckets (in the order issued) for the course GPT of ``model`` (ModelConfig overrides)
     trained on ``rows`` rows, from its shapes alone (on meta tensors)."""
-    import torch
-
-    from ..model import GPT, ModelConfig
 
     cfg = ModelConfig(**model)
     with torch.device("meta"):
@@ -361,10 +363,6 @@ def with_buckets(collectives: Sequence[Collective], bucket_bytes: Sequence[int])
 def measure_jitter(steps: int = 20, batch_size: int = 4, **config) -> np.ndarray:
     """Wall times of ``steps`` training steps of one process (after two warm-up steps), divided by their median:
     the spread a rank's compute time has on this machine (threads, caches, other processes)."""
-    import time
-
-    from ..step import StepPlan, run_step
-    from ..train import make_model, make_optimizer
 
     model = make_model(device="cpu", **config)
     opt = make_optimizer(model, "adamw")
@@ -383,12 +381,6 @@ def tp_rank_flops(model: dict, rows: int, tp: int) -> int:
     ``FlopCounterMode`` on the course GPT with each block's four GEMMs at one rank's width (qkv and fc: 1/tp of the
     output columns, attn.proj and mlp.proj: 1/tp of the input rows, as :mod:`~anatomy_helpers.distributed.tp_plan`
     splits them; the attention then runs n_head/tp heads), the embedding and head whole. Shapes only (meta)."""
-    import torch
-    from torch import nn
-
-    from ..model import GPT, ModelConfig
-    from ..step import step_flops
-    from .tp_plan import check_tp
 
     cfg = ModelConfig(**model)
     check_tp(cfg, tp)
@@ -424,8 +416,6 @@ def scaling_curve(
     every N instead: an FSDP2 dry run grows with N (2 s at 128 ranks, 30-60 s at 4,096 on two cores), the rule
     takes milliseconds and equals the dry run wherever both run (tests/test_fake_world.py; notebook 11 checks one N).
     One source for the whole curve: a dry run at small N would change no byte of it."""
-    from .fake_world import dry_run_rank, fsdp_collectives_rule
-    from .ranks import MESH_STRATEGIES, RankJob
 
     tp = network.get("tp", 1)
     if tp != 1 and strategy not in MESH_STRATEGIES:

@@ -24,11 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import positive_int
-from ..model import GPT, ModelConfig
+from ..core.checks import positive_int
+from ..core.data import get_batch
+from ..core.model import GPT, ModelConfig
+from ..core.tables import Col, format_table
+from ..prediction.dryrun import build_fake_model, check_ops, course_batch, twin_config
+from ..prediction.fake_check import CheckedFakeTensorMode
 from ..prediction.formulas import korthikanti_terms
-from ..step import StepPlan, run_step
-from .tp_plan import check_tp, parallelize_gpt
+from ..training.step import StepPlan, run_step
+from ..training.train import make_optimizer
+from .fake_world import COLLECTIVE_NAMESPACES, check_no_process_group, fake_process_group
+from .ranks import RankTracker, run_job
+from .tp_plan import check_tp, parallelize_gpt, qkv_rank_order
 
 #: The formula terms each rank holds 1/t of under plain TP (inside the column/row-split GEMM pairs); the others
 #: (LayerNorm inputs, the QKV and fc1 inputs, the two residual dropout masks: 10 sbh) stay whole on every rank.
@@ -150,16 +157,10 @@ class TPRun:
 def tp_dry_run(cfg: ModelConfig, t: int, *, sequence_parallel: bool = False, batch_size: int = 4) -> TPRun:
     """Dry-run rank 0 of a ``t``-way tensor-parallel group of the course GPT (every rank trains the same
     ``batch_size`` rows), on torch's fake process group and fake tensors; ops checked as every dry run's."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ..prediction.dryrun import _check_ops, _small_twin, build_fake_model, course_batch
-    from ..prediction.fake_check import CheckedFakeTensorMode
-    from ..train import make_optimizer
-    from .fake_world import COLLECTIVE_NAMESPACES, _check_free, fake_process_group
-    from .ranks import RankTracker
+    from torch.distributed.device_mesh import init_device_mesh  # loaded where a rank or a mesh is built
 
     check_tp(cfg, t)
-    _check_free()
+    check_no_process_group()
 
     def run(cfg: ModelConfig, rows: int):
         with fake_process_group(t, 0):
@@ -182,8 +183,8 @@ def tp_dry_run(cfg: ModelConfig, t: int, *, sequence_parallel: bool = False, bat
         return TPRun(t, sequence_parallel, tracker.trace, tracker.collectives), calls
 
     result, calls = run(cfg, batch_size)
-    twin = dataclasses.replace(_small_twin(cfg), d_model=cfg.n_head * 8)
-    _check_ops(calls, f"rank 0 of {t}-way TP", lambda: run(twin, min(batch_size, 2))[1])
+    twin = dataclasses.replace(twin_config(cfg), d_model=cfg.n_head * 8)
+    check_ops(calls, f"rank 0 of {t}-way TP", lambda: run(twin, min(batch_size, 2))[1])
     return result
 
 
@@ -272,7 +273,6 @@ def compare_tp_layer(run: TPRun, cfg: ModelConfig, batch_size: int, layer: int =
 
 def format_tp_layer(parts: list[TPPart]) -> str:
     """One block's parts on one rank: measured, formula, and the known gap with its reason (GAP_REASONS)."""
-    from ..tables import Col, format_table
 
     cols = [
         Col("part", 15, align="<"),
@@ -323,10 +323,7 @@ class TPEqualityJob:
         return f"{'tp_sp' if self.sequence_parallel else 'tp'}_equality_{block}"
 
     def run_rank(self, rank: int, world_size: int, device: torch.device) -> TPEquality:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from ..data import get_batch
-        from .tp_plan import qkv_rank_order
+        from torch.distributed.device_mesh import init_device_mesh  # loaded where a rank or a mesh is built
 
         cfg = ModelConfig(**self.model)
         if cfg.dropout:
@@ -354,7 +351,6 @@ class TPEqualityJob:
 def format_llama_terms(cfg: ModelConfig, b: int, degrees: tuple[int, ...] = (2, 8)) -> str:
     """:data:`LLAMA_TERMS` of ``cfg``'s block, micro-batch ``b``: each term on one rank at each TP degree (bytes,
     16-bit, plain TP), and whether TP splits it ("1/t") or every rank keeps it whole."""
-    from ..tables import Col, format_table
 
     if cfg.block != "llama":
         raise ValueError(f"LLAMA_TERMS are the Llama block's terms; this model's block is {cfg.block!r}")
@@ -391,6 +387,5 @@ class LabelledJob:
         return self.job.micro_batches
 
     def run_rank(self, rank: int, world_size: int, device: torch.device):
-        from .ranks import run_job
 
         return dataclasses.replace(run_job(self.job, rank, world_size, device), strategy=self.label)

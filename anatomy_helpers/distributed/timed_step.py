@@ -32,10 +32,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..step import StepHooks, StepPlan, run_step
+from ..core.tables import Col, format_table
+from ..training.step import StepHooks, StepPlan, run_step
+from ..training.train import make_model, make_optimizer
 from .ranks import Collective
 from .sync_model import Link, price_step
+from .world import run_world
 
 KINDS = ("synced", "compute", "straggler")
 SWEEP_BYTES = tuple(4096 * 16**k for k in range(4))  # 4 KiB, 64 KiB, 1 MiB, 16 MiB
@@ -140,7 +144,8 @@ class RankTimes:
 
 
 class _Timer(StepHooks):
-    """Times each phase of :func:`~anatomy_helpers.step.run_step`; sleeps ``delay`` before backward if asked."""
+    """Times each phase of :func:`~anatomy_helpers.training.step.run_step`; sleeps ``delay`` before backward if
+    asked."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
@@ -187,10 +192,9 @@ def _sweep(sizes: Sequence[int], reps: int, busy: bool = False) -> dict[int, lis
 
 
 def _run_rank(job: TimedJob, rank: int, world_size: int, device: torch.device) -> RankTimes:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ..train import make_model, make_optimizer
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (  # loaded where a rank or a mesh is built
+        allreduce_hook,
+    )
 
     dist.barrier()
     sweep = _sweep(job.sweep_bytes, job.sweep_reps)
@@ -276,7 +280,6 @@ def _ddp_times(logged: dict) -> dict[str, float]:
 
 def measure_timed_world(job: TimedJob, world_size: int = 2, *, timeout_s: float = 300.0) -> list[RankTimes]:
     """Run ``job`` on ``world_size`` local gloo ranks; each rank's :class:`RankTimes`."""
-    from .world import run_world
 
     return run_world(job, world_size, timeout_s=timeout_s)[job.strategy]
 
@@ -353,7 +356,6 @@ def model_vs_measured(ranks: Sequence[RankTimes]) -> list[Check]:
 
 def format_model_vs_measured(checks: Sequence[Check]) -> str:
     """:func:`model_vs_measured` as a table (ms), with the model's error on each link."""
-    from ..tables import Col, format_table
 
     cols = [
         Col("quantity", 26, align="<"),

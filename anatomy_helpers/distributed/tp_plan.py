@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from ..model import BLOCKS, GPT, ModelConfig
+from ..core.model import BLOCKS, GPT, ModelConfig
 
 
 def tp_plan(sequence_parallel: bool = False, block: str = "gpt2") -> dict:
     """The ``parallelize_module`` plan of one course GPT block (its module names), GPT-2's or Llama's."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
+    from torch.distributed.tensor import Replicate, Shard  # loaded where a rank or a mesh is built
+    from torch.distributed.tensor.parallel import (  # loaded where a rank or a mesh is built
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
@@ -88,8 +88,11 @@ def qkv_rank_order(n_embd: int, t: int, kv_width: int | None = None) -> torch.Te
 def parallelize_gpt(gpt: GPT, mesh, sequence_parallel: bool = False) -> GPT:
     """Parallelise every block of ``gpt`` over the 1-D ``mesh`` (in place; returns it). The fused qkv rows are put
     in rank order first (:func:`qkv_rank_order`), so each rank's chunk is its own heads' q, k and v."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard  # loaded where a rank or a mesh is built
+    from torch.distributed.tensor.parallel import (  # loaded where a rank or a mesh is built
+        PrepareModuleOutput,
+        parallelize_module,
+    )
 
     cfg, t = gpt.cfg, mesh.size()
     check_tp(cfg, t)

@@ -26,9 +26,12 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from ..checks import positive_number, torch_at_least
+from ..core.checks import positive_number, torch_at_least
+from ..core.tables import Col, format_table
+from ..core.units import MiB
 from ..prediction.formulas import zero_model_states
-from .ranks import RankJob, RankResult
+from .mesh2d import check_mesh
+from .ranks import MESH_STRATEGIES, TP_STRATEGIES, RankJob, RankResult, rank_process_group, run_job
 from .zygote import start_rank
 
 # ---- starting the ranks ---------------------------------------------------------------------------------------
@@ -91,11 +94,8 @@ def data_parallel_ranks(job, world_size: int) -> tuple[int, str]:
     run_job` slices the rows: data parallelism gives every rank its own rows (N ways); a 2-D mesh gives each of its
     N / tp nodes its own rows, the same on the node's tp ranks (rank r trains the rows of data-parallel rank
     r // tp); tensor parallelism alone gives every rank the same rows (1 way). ValueError for a bad mesh."""
-    from .ranks import MESH_STRATEGIES, TP_STRATEGIES
 
     if job.strategy in MESH_STRATEGIES:
-        from .mesh2d import check_mesh
-
         return check_mesh(world_size, job.tp), "the N / tp nodes"
     if job.strategy in TP_STRATEGIES:
         return 1, "one (every TP rank trains the same rows)"
@@ -317,7 +317,6 @@ def worker_main(tmp: str, backend: str | None) -> int:
 
     If a job fails, a note (the time, how: "raise" or "exit CODE", the traceback) is written before the process
     group goes down (which makes the other ranks fail too), so the runner can tell which rank failed first."""
-    from .ranks import _process_group, run_job
 
     rank = os.environ["RANK"]
     _die_with_parent(tmp)
@@ -325,7 +324,7 @@ def worker_main(tmp: str, backend: str | None) -> int:
     faulthandler.register(_STACK_SIGNAL, file=stack, all_threads=True)
     with open(os.path.join(tmp, "jobs.pkl"), "rb") as f:
         jobs = pickle.load(f)
-    with _process_group(backend) as (r, world_size, device):
+    with rank_process_group(backend) as (r, world_size, device):
         try:  # noted inside the group: its teardown makes the other ranks fail, and may take a while
             results = [
                 job.run_rank(r, world_size, device) if hasattr(job, "run_rank") else run_job(job, r, world_size, device)
@@ -409,8 +408,6 @@ def rank_rows(results: dict[str, list[RankResult]]) -> list[RankRow]:
 def format_rank_table(rows: list[RankRow]) -> str:
     """Measured vs formula per rank: parameters, gradients, optimizer state (measured/formula, MiB), communication
     before the optimizer step and at its peak, the rank's peak (and max_memory_allocated on CUDA)."""
-    from ..tables import Col, format_table
-    from ..units import MiB
 
     cuda = any(r.max_memory_allocated is not None for r in rows)
     cols = [

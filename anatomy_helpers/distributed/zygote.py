@@ -16,6 +16,7 @@ macOS and Windows always do (there, forking a process that loaded system framewo
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import runpy
@@ -34,7 +35,7 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.device_mesh",
     "torch.nn.parallel",
-    "anatomy_helpers.train",
+    "anatomy_helpers.training.train",
     "anatomy_helpers.distributed.__main__",
 )
 _MAX_MESSAGE = 1 << 20  # bytes: a request is this process's environment and two paths
@@ -249,7 +250,6 @@ def _become_rank(sock: socket.socket, env: dict, cwd: str, args: list[str], fds:
 
 
 def main(fd: int) -> None:
-    import importlib
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when ranks stop
     for name in PRELOAD:

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..checks import int_in, whole_bytes
+from ..core.checks import int_in, whole_bytes
+from ..core.units import MiB, round_up
 from ..tracking.events import PHASES, AllocationRecord
-from ..units import MiB, round_up
 
 MIN_BLOCK = 512  # every block size is a multiple of this
 SMALL_REQUEST = 1 * MiB  # largest request served by the small pool

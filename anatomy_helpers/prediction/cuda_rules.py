@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..checkpointing import recomputes_blocks
-from ..model import GPT, ModelConfig
+from ..core.checkpointing import recomputes_blocks
+from ..core.model import GPT, ModelConfig
+from ..core.units import KiB
 from ..tracking.events import CATEGORIES
 from ..tracking.trace import Trace
-from ..units import KiB
 from .devices import Device
 
 CPU_RULES = "CPU kernels"

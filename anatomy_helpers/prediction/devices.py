@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..units import GiB, MiB
+from ..core.units import GiB, MiB
 
 #: Our allowance for the CUDA context: the driver's state, the kernels' code and the libraries' handles, which
 #: take GPU memory outside PyTorch's caching allocator. Neither NVIDIA nor PyTorch documents a figure per

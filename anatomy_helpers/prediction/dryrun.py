@@ -34,13 +34,13 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
-from ..checks import one_of, positive_int
-from ..interrupts import DeferredInterrupt
-from ..model import GPT, ModelConfig
-from ..step import AUTOCAST_CHOICES, StepPlan, gpt_loss, run_step
+from ..core.checks import one_of, positive_int
+from ..core.interrupts import DeferredInterrupt
+from ..core.model import GPT, ModelConfig
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
-from ..train import make_optimizer
+from ..training.step import AUTOCAST_CHOICES, StepPlan, gpt_loss, run_step
+from ..training.train import make_optimizer
 from . import fake_check
 from .fake_check import CheckedFakeTensorMode, check_calls, op_checked
 
@@ -176,7 +176,7 @@ def run_steps(
     fake: bool = False,
 ) -> Trace:
     """``steps`` tracked training steps of any module: ``train.track_steps``' step
-    (:func:`~anatomy_helpers.step.run_step`), with ``batch = batch_fn(i)`` and ``loss = loss_fn(model, batch)``
+    (:func:`~anatomy_helpers.training.step.run_step`), with ``batch = batch_fn(i)`` and ``loss = loss_fn(model, batch)``
     for step ``i`` (from 0). A real run reads ``loss.item()`` as track_steps does; a ``fake`` one cannot (there is
     no value) and skips it, which allocates nothing either way.
     """
@@ -219,7 +219,7 @@ def dry_run(
     _check_steps(steps, autocast)
     args = (model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device)
     trace, calls = _run_fake(*args)
-    _check_ops(calls, _model_name(model_factory))
+    check_ops(calls, _model_name(model_factory))
     return trace
 
 
@@ -281,7 +281,7 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
     return trace, mode.calls
 
 
-def _check_ops(calls: dict, what: str, small_twin: Callable[[], dict] | None = None) -> None:
+def check_ops(calls: dict, what: str, small_twin: Callable[[], dict] | None = None) -> None:
     """Refuse the dry run (DryRunError) unless every op signature in ``calls`` matches its real kernel.
 
     ``small_twin()``: the calls of a dry run of a smaller model with the same code paths, run only when some
@@ -314,7 +314,7 @@ def _check_ops(calls: dict, what: str, small_twin: Callable[[], dict] | None = N
         )
 
 
-def _small_twin(cfg: ModelConfig) -> ModelConfig:
+def twin_config(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` with the same code paths at a size whose every op runs for real in milliseconds: head width 8,
     at most 16 positions, 64 tokens, and the layers a checkpointing policy needs."""
     layers = cfg.checkpoint_every + 1 if cfg.checkpoint == "every_k" else 2
@@ -346,7 +346,7 @@ def dry_run_config(
     fused=.., in_backward=..), steps, batch_size, autocast=..., set_to_none=...)``, with the same batches'
     allocations (:func:`course_batch`).
     Byte for byte the real trace with ``kernel_scratch=False``; any size (nothing is allocated). The ops of a
-    large configuration are checked against the real kernels on a small twin (:func:`_small_twin`, once per
+    large configuration are checked against the real kernels on a small twin (:func:`twin_config`, once per
     session for each set of code paths), see :func:`dry_run`.
     """
     if cfg is not None and config:
@@ -369,5 +369,5 @@ def dry_run_config(
         )
 
     trace, calls = run(cfg, batch_size)
-    _check_ops(calls, "the course GPT", lambda: run(_small_twin(cfg), min(batch_size, 2))[1])
+    check_ops(calls, "the course GPT", lambda: run(twin_config(cfg), min(batch_size, 2))[1])
     return trace

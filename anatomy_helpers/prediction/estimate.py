@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import ModelConfig
-from .formulas import korthikanti_layer_bytes, param_count
+from ..core.model import ModelConfig, param_count
+from .formulas import korthikanti_layer_bytes
 
 IMPLEMENTATIONS = ("single", "foreach", "fused")  # torch's optimizer implementations (single = the for-loop)
 

@@ -46,6 +46,8 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..tracking.tracker import StepTracker
+
 #: The largest call (bytes of its inputs' storages and its outputs' new ones) run for real to check its fake kernel.
 MAX_CHECK_BYTES = 64 * 2**20
 #: The same for a matrix product (:data:`_MATRIX_OPS`) with a bfloat16 or float16 tensor on the CPU. A CPU without
@@ -153,9 +155,6 @@ def _outcome(inputs: list[torch.Tensor], outputs: list) -> tuple:
 
 
 def _where() -> str:
-    from ..tracking.tracker import (
-        StepTracker,  # the tracker imports nothing from here; imported late to keep it that way
-    )
 
     tracker = StepTracker._running
     if tracker is None:

@@ -24,11 +24,13 @@ from dataclasses import astuple, dataclass, field, replace
 
 import torch
 
-from ..checks import one_of, positive_int
-from ..model import GPT, ModelConfig
-from ..tables import Col, format_table
+from ..core.checks import one_of, positive_int
+from ..core.model import GPT, ModelConfig, param_count
+from ..core.tables import Col, format_table
+from ..core.units import pick_unit
 from ..tracking.trace import Trace
-from ..units import pick_unit
+from ..training.step import AUTOCAST_CHOICES
+from ..training.train import OPTIMIZER_NAMES
 from .allocator import replay, replay_with_limit
 from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
 from .devices import Device, get_device
@@ -230,9 +232,6 @@ class FitRequest:
 
     def check(self) -> Device:
         """Check every field before any work; returns the Device. ValueError names the field and says why."""
-        from ..step import AUTOCAST_CHOICES
-        from ..train import OPTIMIZER_NAMES
-        from .formulas import param_count
 
         cfg, batch_size = self.cfg, self.batch_size
         dev = usable_device(self.device)

@@ -8,9 +8,9 @@ Bytes everywhere unless a name says otherwise.
 
 from __future__ import annotations
 
-from ..model import ModelConfig
-from ..tables import Col, format_table
-from ..units import pick_unit
+from ..core.model import ModelConfig
+from ..core.tables import Col, format_table
+from ..core.units import pick_unit
 from .fit import FitRequest, fit_run
 from .flops import config_step_flops
 from .levers import EFFECTS, Fix, levers, rank_key, ranked, try_levers

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..checks import one_of
-from ..model import GPT, ModelConfig
-from ..step import AUTOCAST_CHOICES, step_flops
+from ..core.checks import one_of
+from ..core.model import GPT, ModelConfig
+from ..training.step import AUTOCAST_CHOICES, step_flops
 from .dryrun import build_fake_model, course_batch
 
 
@@ -26,7 +26,8 @@ def _flops_of(fields: tuple, batch_size: int) -> int:
 
 
 def config_step_flops(cfg: ModelConfig, batch_size: int, autocast: str | None = None) -> int:
-    """FLOPs of one forward + backward of ``cfg`` at ``batch_size``: :func:`~anatomy_helpers.step.step_flops` of
+    """FLOPs of one forward + backward of ``cfg`` at ``batch_size``: :func:`~anatomy_helpers.training.step.step_flops`
+    of
     the model built on fake tensors (no memory, any size): checkpointing's recomputation is counted, the optimizer
     (element-wise, a few FLOPs per parameter) is not; nor are element-wise ops (what "selective" recomputes: see
     :data:`~anatomy_helpers.prediction.levers.UNCOUNTED`).

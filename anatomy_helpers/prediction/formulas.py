@@ -6,57 +6,7 @@ reads its fields, so it is cheap even for configurations far too big to allocate
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from ..checks import positive_int
-
-if TYPE_CHECKING:  # imported for the type hint only: model.py imports this module
-    from ..model import ModelConfig
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """Number of parameters of ``GPT(cfg)``, each shared tensor counted once.
-
-    The GPT-2 parameter count as Narayanan et al. 2021 write it ("Efficient Large-Scale
-    Language Model Training on GPU Clusters Using Megatron-LM"),
-    P = 12Lh^2 (1 + 13/(12h) + (v + s)/(12Lh)), plus the final LayerNorm's 2h. Here
-    h is the hidden size, v the vocabulary, L the blocks, s the context and r*h the
-    MLP width (r = 4 in GPT-2):
-
-    * each block: attention qkv + proj is 4h^2 weights + 4h biases, the MLP is
-      2rh^2 weights + (r + 1)h biases, and two LayerNorms are 4h, so
-      (4 + 2r)h^2 + (9 + r)h, which is the familiar 12h^2 + 13h for r = 4;
-    * the token embedding is h*v, shared with the LM head (weight tying), so counted once;
-    * the learned position embedding is s*h; the final LayerNorm is 2h.
-
-    For r = 4: ``h*v + L*(12h^2 + 13h) + 2h + s*h``. An untied LM head adds another ``h*v``.
-    ``cfg.block == "llama"``: :func:`llama_param_count`.
-    """
-    if getattr(cfg, "block", "gpt2") == "llama":
-        return llama_param_count(cfg)
-    h, v, L, s, r = cfg.d_model, cfg.vocab_size, cfg.n_layer, cfg.seq_len, cfg.mlp_ratio
-    head = 0 if getattr(cfg, "tie_embeddings", True) else h * v
-    per_block = (4 + 2 * r) * h * h + (9 + r) * h
-    return h * v + L * per_block + 2 * h + s * h + head
-
-
-def llama_param_count(cfg: ModelConfig) -> int:
-    """Number of parameters of the Llama-block GPT: no biases, no position embedding (rotary has no weights).
-
-    With ``d = h / a`` the head width, ``k`` key/value heads and ``F = r*h`` the MLP width:
-
-    * attention: q and the output projection are ``h^2`` each, k and v are ``h*k*d`` each: ``2h^2 + 2hkd``;
-    * SwiGLU MLP: gate, up and down are ``h*F`` each: ``3hF``;
-    * two RMSNorms: ``2h``; the final RMSNorm ``h``;
-    * the token embedding ``h*v``, plus ``h*v`` again for an untied LM head.
-    """
-    h, v, L, r = cfg.d_model, cfg.vocab_size, cfg.n_layer, cfg.mlp_ratio
-    k = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
-    d = h // cfg.n_head
-    per_block = 2 * h * h + 2 * h * k * d + 3 * h * (r * h) + 2 * h
-    head = 0 if cfg.tie_embeddings else h * v
-    return h * v + L * per_block + h + head
-
+from ..core.checks import positive_int
 
 # ---- activations: Korthikanti et al. 2022, bytes of one transformer layer -------------------------------------
 # "Reducing Activation Recomputation in Large Transformer Models", section 4.1.

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..checks import one_of
+from ..core.checks import one_of
 
 #: Shipped configurations: name -> the Hub repository whose config.json it copies (docs/references.md).
 SHIPPED = {

@@ -12,10 +12,10 @@ import copy
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..step import run_step
+from ..training.step import run_step
 from .dryrun import build_fake_model
 from .hf import hf_config
-from .hf_step import FineTune, _as_for_real, hf_plan, make_hf_model, make_hf_optimizer
+from .hf_step import FineTune, as_real_run, hf_plan, make_hf_model, make_hf_optimizer
 
 #: The LoRA rank offered to a full or frozen fine-tune (a common choice; the candidate says which).
 LORA_RANK = 16
@@ -32,11 +32,12 @@ def _layers(cfg, n: int):
 
 def _flops_of(cfg, ft: FineTune) -> int:
     """FLOPs of one step's forwards and backwards of ``ft`` on ``cfg``'s fake model: :func:`hf_plan` run by
-    :func:`~anatomy_helpers.step.run_step`, stopped after backward (no optimizer step), under FlopCounterMode."""
+    :func:`~anatomy_helpers.training.step.run_step`, stopped after backward (no optimizer step), under
+    FlopCounterMode."""
     mode = FakeTensorMode()
     model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
     plan = hf_plan(cfg.vocab_size, ft, fake=True, optimizer_step=False)
-    with mode, _as_for_real([]), FlopCounterMode(display=False) as counter:
+    with mode, as_real_run([]), FlopCounterMode(display=False) as counter:
         run_step(model, make_hf_optimizer(model, ft), plan, 0)
     return int(counter.get_total_flops())
 

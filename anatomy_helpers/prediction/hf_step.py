@@ -6,8 +6,8 @@ Adam, SGD; single-tensor, foreach or fused) and what is trained: everything (``m
 the parameters under the ``freeze`` prefixes (``"frozen"``: ``requires_grad_(False)``), or LoRA adapters through
 ``peft`` (``"lora"``: ``LoraConfig(r, lora_alpha, target_modules)``; the base frozen, in ``dtype``).
 
-:func:`hf_plan` is the step itself, a :class:`~anatomy_helpers.step.StepPlan` run by the course's one
-:func:`~anatomy_helpers.step.run_step` (the loop a training script writes: forward with ``labels`` so the model
+:func:`hf_plan` is the step itself, a :class:`~anatomy_helpers.training.step.StepPlan` run by the course's one
+:func:`~anatomy_helpers.training.step.run_step` (the loop a training script writes: forward with ``labels`` so the model
 computes its own shifted cross-entropy, :func:`hf_loss`, divided by the number of micro-batches; ``backward`` per
 micro-batch, ``optimizer.step()``, ``zero_grad``); :func:`track_hf` runs it for real under the StepTracker on a
 model with random weights, and :func:`dry_run_hf` runs the very same plan on fake tensors (dryrun.py) at any size,
@@ -39,13 +39,13 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 
-from ..checks import one_of, positive_int, positive_number
-from ..interrupts import DeferredInterrupt
-from ..step import AUTOCAST_CHOICES, StepPlan, run_step
+from ..core.checks import one_of, positive_int, positive_number
+from ..core.interrupts import DeferredInterrupt
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
-from ..train import OPTIMIZERS  # the one list of optimizer names (lesson 03's four)
-from .dryrun import DryRunError, _check_ops, build_fake_model
+from ..training.step import AUTOCAST_CHOICES, StepPlan, run_step
+from ..training.train import OPTIMIZERS  # the one list of optimizer names (lesson 03's four)
+from .dryrun import DryRunError, build_fake_model, check_ops
 from .fake_check import CheckedFakeTensorMode
 from .hf import build_model, hf_config, tiny_config
 
@@ -217,8 +217,9 @@ def hf_loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def hf_plan(vocab_size: int, ft: FineTune, *, fake: bool = False, **fields) -> StepPlan:
-    """The fine-tuning step as a :class:`~anatomy_helpers.step.StepPlan`, run by the course's one
-    :func:`~anatomy_helpers.step.run_step`: step ``i``'s batch is ``hf_batch(vocab_size, ft, i, fake)``, split into
+    """The fine-tuning step as a :class:`~anatomy_helpers.training.step.StepPlan`, run by the course's one
+    :func:`~anatomy_helpers.training.step.run_step`: step ``i``'s batch is ``hf_batch(vocab_size, ft, i, fake)``, split
+    into
     ``ft.micro_batches``
     micro-batches (views), each forward under ``ft.autocast`` with :func:`hf_loss` divided by the number of
     micro-batches, and backward; then the optimizer step and ``zero_grad(set_to_none=True)``. A ``fake`` step
@@ -244,7 +245,7 @@ def _steps(model, optimizer, vocab_size: int, ft: FineTune, steps: int, *, fake:
     return tracker.trace
 
 
-def _check_positions(cfg, ft: FineTune) -> None:
+def check_positions(cfg, ft: FineTune) -> None:
     """ValueError if ``ft``'s sequences are longer than ``cfg``'s model takes. A real step would fail (GPT-2's
     learned position table has 1,024 rows: index out of range) or run past what the model was made for; a dry run
     reads no token ids, so without this it would return a number for a step that cannot run as configured."""
@@ -262,7 +263,7 @@ def track_hf(cfg, ft: FineTune, steps: int = 2, *, seed: int = 0, kernel_scratch
     using ``kernel_scratch=False``: kernel scratch is the one category a dry run cannot see."""
     cfg = hf_config(cfg)
     positive_int("steps", steps)
-    _check_positions(cfg, ft)
+    check_positions(cfg, ft)
     torch.manual_seed(seed)
     model = make_hf_model(cfg, ft)
     optimizer = make_hf_optimizer(model, ft)
@@ -288,12 +289,12 @@ def _no_padding_warning(self, input_ids, attention_mask):
 
 
 @contextlib.contextmanager
-def _as_for_real(tracing_calls: list[str]):
+def as_real_run(tracing_calls: list[str]):
     """transformers made to run a fake step as a real one (HF_ASSUMPTIONS); every other call of its
     ``is_tracing`` with a fake tensor is noted in ``tracing_calls`` (file:line), so the dry run can refuse."""
-    import transformers.masking_utils as masking
-    from transformers.modeling_utils import PreTrainedModel
-    from transformers.utils import import_utils
+    import transformers.masking_utils as masking  # optional extra [hf]
+    from transformers.modeling_utils import PreTrainedModel  # optional extra [hf]
+    from transformers.utils import import_utils  # optional extra [hf]
 
     original = import_utils.is_tracing
 
@@ -354,7 +355,7 @@ def hf_dry_run(cfg, run):
     mode = _NamingMode()
     tracing_calls: list[str] = []
     try:
-        out = run(mode, _as_for_real(tracing_calls))
+        out = run(mode, as_real_run(tracing_calls))
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         op = getattr(e, "func", e)
         raise DryRunError(
@@ -423,9 +424,9 @@ def dry_run_hf(cfg, ft: FineTune = FineTune(), steps: int = 2, *, check_on=None)
     """
     cfg = hf_config(cfg)
     positive_int("steps", steps)
-    _check_positions(cfg, ft)
+    check_positions(cfg, ft)
     trace, calls = _fake_run(cfg, ft, steps)
     twin = check_on if check_on is not None else twin_config(cfg, ft)
     small = twin_fine_tune(ft)
-    _check_ops(calls, f"{cfg.model_type} ({type(cfg).__name__})", lambda: _fake_run(twin, small, 2)[1])
+    check_ops(calls, f"{cfg.model_type} ({type(cfg).__name__})", lambda: _fake_run(twin, small, 2)[1])
     return trace

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..model import ModelConfig
+from ..core.model import ModelConfig
 from ..tracking.events import Peak
 from ..tracking.trace import Trace
 from .cuda_rules import CudaRuleError

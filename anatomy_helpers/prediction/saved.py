@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..tables import Col, format_table
+from ..core.tables import Col, format_table
+from ..core.units import MiB
 from ..tracking.events import HEAD, SavedTensor, model_part, model_parts
 from ..tracking.trace import Trace
-from ..units import MiB
 from .formulas import EXTRA_TERMS, KORTHIKANTI_TERMS, korthikanti_terms
 
 

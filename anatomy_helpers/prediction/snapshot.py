@@ -127,7 +127,7 @@ def write_memory_viz(snapshot: dict, html_path: str | Path, pickle_path: str | P
     """Write ``torch.cuda._memory_viz.trace_plot(snapshot)`` (an HTML page that draws the memory timeline;
     it loads PyTorch's viewer script from a CDN when opened) and, optionally, the snapshot pickle that
     pytorch.org/memory_viz opens. Works for real and simulated snapshots. Returns the HTML path."""
-    from torch.cuda import _memory_viz
+    from torch.cuda import _memory_viz  # loaded when a snapshot is drawn
 
     html_path = Path(html_path)
     html_path.write_text(_memory_viz.trace_plot(snapshot))

@@ -13,7 +13,7 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from ..units import MiB
+from ..core.units import MiB
 
 # What a storage is, in the order tables and figures show them. "recomputed": made again during backward by
 # activation checkpointing. "kernel_scratch": memory a kernel allocates and frees inside one op (no op output shows
@@ -110,7 +110,7 @@ def model_parts(n_layer: int) -> list[str]:
     return [EMBEDDINGS, *(f"blocks.{i}" for i in range(n_layer)), HEAD]
 
 
-def _check_phase(phase: str | None) -> None:
+def check_phase(phase: str | None) -> None:
     if phase is not None and phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
 
@@ -232,7 +232,7 @@ class AllocationRecord:
 
         ``allocations``: only rows that allocate (positive bytes).
         """
-        _check_phase(phase)
+        check_phase(phase)
         mask = self.sample >= 0
         if step is not None:
             mask &= self.step == step

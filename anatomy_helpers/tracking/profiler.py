@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from torch.autograd import DeviceType
 
 from .events import CATEGORIES, PHASES, CategoryColumns, PhaseMark, Timeline
 from .trace import Trace
@@ -140,7 +141,6 @@ def phase_spans(prof, first_step: int = 1, phases: Sequence[str] = STEP_PHASES) 
     Steps are numbered from ``first_step`` by the order of the ``phases[0]`` ranges (each step starts with its
     forward pass). Times are absolute, on the clock of ``export_memory_timeline``'s samples.
     """
-    from torch.autograd import DeviceType
 
     origin_us = prof.profiler.kineto_results.trace_start_ns() / 1e3
     events = sorted(

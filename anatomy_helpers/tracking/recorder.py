@@ -20,7 +20,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..units import MiB
+from ..core.units import MiB
 from .events import (
     BACKWARD,
     CATEGORIES,

@@ -20,9 +20,9 @@ from functools import cached_property
 
 import numpy as np
 
-from ..checks import positive_int
-from ..tables import Col, format_table
-from ..units import MiB, round_up
+from ..core.checks import positive_int
+from ..core.tables import Col, format_table
+from ..core.units import MiB, round_up
 from .events import (
     CATEGORIES,
     PHASES,
@@ -36,7 +36,7 @@ from .events import (
     PhaseSummary,
     SavedTensor,
     Timeline,
-    _check_phase,
+    check_phase,
 )
 
 # ---- the trace ----------------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class Trace:
 
     def window(self, step: int | None = None, phase: str | None = None) -> np.ndarray:
         """Timeline sample indices of ``step`` and/or ``phase`` (every sample by default)."""
-        _check_phase(phase)
+        check_phase(phase)
         mask = np.ones(len(self.timeline), dtype=bool)
         if step is not None:
             mask &= self.timeline.step == step
@@ -240,7 +240,7 @@ class Trace:
 
     def phase(self, step: int, phase: str) -> PhaseSummary:
         """The summary of ``phase`` in ``step`` (the first run of it, if the phase was entered twice)."""
-        _check_phase(phase)
+        check_phase(phase)
         for ph in self._phases:
             if ph.step == step and ph.phase == phase:
                 return ph

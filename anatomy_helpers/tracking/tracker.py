@@ -42,10 +42,10 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import checkpointing
-from ..checks import positive_number
-from ..interrupts import DeferredInterrupt
-from ..tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs, optimizer_state_tensors
+from ..core import checkpointing
+from ..core.checks import positive_number
+from ..core.interrupts import DeferredInterrupt
+from ..core.tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs, optimizer_state_tensors
 from .events import (
     ACTIVATIONS,
     BACKWARD,

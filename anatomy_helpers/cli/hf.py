@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit
+from ..distributed.hf_fit import ZERO_STRATEGIES, cheapest_fix_hf, will_it_fit_hf
+from ..prediction.dryrun import DryRunError
+from ..prediction.fit import IMPLEMENTATION_FLAGS, usable_device
+from ..prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED, hf_config
+from ..prediction.hf_step import FineTune
+from ..training.train import OPTIMIZERS
+from .common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit
 
 
 def build_hf_predict_parser() -> argparse.ArgumentParser:
-    from .distributed.hf_fit import ZERO_STRATEGIES
-    from .prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED
-    from .train import OPTIMIZERS
 
     p = argparse.ArgumentParser(
         prog="python -m anatomy_helpers predict --hf",
@@ -55,8 +58,6 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
 
 def _fine_tune(args):
     """The FineTune the options describe; ValueError naming the option for a bad combination."""
-    from .prediction.fit import IMPLEMENTATION_FLAGS
-    from .prediction.hf_step import FineTune
 
     lora = args.lora_rank is not None
     if args.freeze and lora:
@@ -82,10 +83,6 @@ def _fine_tune(args):
 
 
 def hf_predict_main(argv: list[str]) -> int:
-    from .distributed.hf_fit import cheapest_fix_hf, will_it_fit_hf
-    from .prediction.dryrun import DryRunError
-    from .prediction.fit import usable_device
-    from .prediction.hf import hf_config
 
     parser = build_hf_predict_parser()
     args = parser.parse_args(argv)

@@ -4,8 +4,8 @@ run can pass step 1 and fail step 2.
 What only this lesson uses: the step-by-step peak table, optimizer-state births, the replay summary and
 the allocator plots (segments over time, the segment map), and the notebook's two slider panels. The
 allocator simulator and its limits (:mod:`anatomy_helpers.prediction.allocator`), snapshots
-(:mod:`anatomy_helpers.prediction.snapshot`), budget runs (:mod:`anatomy_helpers.budget`) and the real GPU
-helpers (:mod:`anatomy_helpers.cuda`) are core: later lessons use them too.
+(:mod:`anatomy_helpers.prediction.snapshot`), budget runs (:mod:`anatomy_helpers.training.budget`) and the real GPU
+helpers (:mod:`anatomy_helpers.prediction.cuda`) are core: later lessons use them too.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -17,14 +17,14 @@ from collections.abc import Iterable
 import numpy as np
 from matplotlib.patches import Patch
 
-from ..budget import try_budget
-from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure, plot_budget_run
+from ..core.tables import Col, format_table
+from ..core.units import MiB, pick_unit
 from ..prediction.allocator import CachingAllocatorSim, Replay, replay, summarize_replay
-from ..tables import Col, format_table
 from ..tracking.events import CATEGORIES, PHASES
 from ..tracking.trace import Trace
-from ..train import make_model, make_optimizer, track_steps
-from ..units import MiB, pick_unit
+from ..training.budget import try_budget
+from ..training.train import make_model, make_optimizer, track_steps
+from ..ui.plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure, plot_budget_run
 
 # The Ultra-Scale Playbook's measured profile of a ~1.24 B-parameter Llama, fp32, first four steps
 # (its memory-profile figure; docs/references.md lists the source).

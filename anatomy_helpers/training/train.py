@@ -10,12 +10,12 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from .checks import one_of, optional_callable, positive_int, positive_number
-from .data import seed_everything
-from .model import GPT, ModelConfig
+from ..core.checks import one_of, optional_callable, positive_int, positive_number
+from ..core.data import seed_everything
+from ..core.model import GPT, ModelConfig
+from ..tracking.trace import Trace
+from ..tracking.tracker import StepTracker
 from .step import OptimizerInBackward, StepPlan, run_step
-from .tracking.trace import Trace
-from .tracking.tracker import StepTracker
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the four lesson 03 compares
 OPTIMIZER_NAMES = (*OPTIMIZERS, "adamw_bf16", "adamw8bit")  # every name make_optimizer takes (lesson 10's too)
@@ -130,7 +130,7 @@ def make_optimizer(
     :class:`AdamWBF16State` (the same hyperparameters as ``adamw``, its state in bf16); ``adamw8bit``:
     bitsandbytes' 8-bit AdamW (:func:`adamw_8bit`, an optional dependency).
     ``in_backward=True``: the step fused into backward, one such optimizer per parameter
-    (:class:`~anatomy_helpers.step.OptimizerInBackward`).
+    (:class:`~anatomy_helpers.training.step.OptimizerInBackward`).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
@@ -161,7 +161,7 @@ def _optimizer(params, name: str, lr: float, foreach: bool | None, fused: bool |
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    """One training step on the batch ``(x, y)``, untracked: :func:`~anatomy_helpers.step.run_step` (forward,
+    """One training step on the batch ``(x, y)``, untracked: :func:`~anatomy_helpers.training.step.run_step` (forward,
     backward, optimizer step, zero_grad) with that batch. Returns the loss as a float."""
     return run_step(model, optimizer, StepPlan(batch_size=x.shape[0], batch=lambda _: (x, y)), 0)
 
@@ -192,17 +192,18 @@ def track_steps(
 ) -> Trace:
     """Train ``steps`` steps on course batches inside a StepTracker and return its Trace.
 
-    Each step is :func:`~anatomy_helpers.step.run_step` of ``StepPlan(batch_size=batch_size, **step)``: forward
+    Each step is :func:`~anatomy_helpers.training.step.run_step` of ``StepPlan(batch_size=batch_size, **step)``: forward
     (``loss = model(x, y)[1]``), ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=...)``
     on batch ``get_batch(batch_size, model.cfg.seq_len, step=i - 1, seed=seed)``; then ``after_step(i)`` (i from 1).
-    ``step`` takes any :class:`~anatomy_helpers.step.StepPlan` field: ``seed``, ``set_to_none``,
+    ``step`` takes any :class:`~anatomy_helpers.training.step.StepPlan` field: ``seed``, ``set_to_none``,
     ``optimizer_step=False`` (stop after backward: gradients kept, no optimizer phase), ``autocast="bfloat16"`` (or
     ``"float16"`` on CUDA, then with a ``torch.amp.GradScaler``): mixed precision the way most PyTorch users train
     (weights, gradients and optimizer state stay in the model's dtype; matmuls run, and save their inputs, in 16
     bits), ``micro_batches=k`` (gradient accumulation: ``batch_size`` is the global batch, the tracker counts the k
     forward/backward passes as micro-steps of one step), ``rank``/``world_size`` (data parallelism, see
     distributed/ranks.py: ``model`` may be a DDP wrapper whose ``.module`` is the course GPT), ``hooks`` (a lesson's
-    :class:`~anatomy_helpers.step.StepHooks`). ``tracker``: a StepTracker (or subclass) of this model and optimizer
+    :class:`~anatomy_helpers.training.step.StepHooks`). ``tracker``: a StepTracker (or subclass) of this model and
+    optimizer
     to record with instead of a new one (made with ``accumulate=True`` when ``micro_batches > 1``).
 
     With ``budget_bytes`` a step that goes over it raises MemoryBudgetExceeded. Whatever the loop raises

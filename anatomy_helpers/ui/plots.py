@@ -11,12 +11,13 @@ import textwrap
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.text import Annotation
 
-from .tracking.events import CATEGORIES, NO_MODULE, PHASES
-from .tracking.trace import Trace
-from .units import format_bytes, pick_unit
+from ..core.units import format_bytes, pick_unit
+from ..tracking.events import CATEGORIES, NO_MODULE, PHASES
+from ..tracking.trace import Trace
 
 CATEGORY_COLORS = {
     "parameters": "#0072B2",  # blue
@@ -101,8 +102,6 @@ def legend_of_all(axes, target, extra=(), columns: int = 1) -> None:
 def phase_legend_entries() -> list[tuple]:
     """(handle, label) for the phase shading and the step-start line of :func:`plot_timeline`, for a legend (where
     the panels are too small for the phase names written on them)."""
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
     out = [(Patch(facecolor=PHASE_SHADES[p], edgecolor="#999"), f"shading: {p}") for p in PHASE_SHADES]
     return out + [(Line2D([], [], color=STEP_LINE, linestyle="--", linewidth=0.8), "a training step starts")]

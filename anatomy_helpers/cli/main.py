@@ -15,10 +15,14 @@ from pathlib import Path
 import torch
 from matplotlib.backend_bases import FigureCanvasBase
 
-from .cli_common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit, seed_arg
-from .model import ATTENTION_IMPLS, DTYPES, ModelConfig
-from .plots import plot_timeline
-from .train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
+from ..core.checkpointing import CHECKPOINT_POLICIES
+from ..core.model import ATTENTION_IMPLS, DTYPES, ModelConfig
+from ..prediction.fit import MAX_LAYERS, FitRequest, will_it_fit
+from ..prediction.fixes import cheapest_fix
+from ..training.train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
+from ..ui.plots import plot_timeline
+from .common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit, seed_arg
+from .hf import hf_predict_main
 
 
 def _check_out_path(out: str) -> None:
@@ -79,8 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_predict_parser() -> argparse.ArgumentParser:
-    from .checkpointing import CHECKPOINT_POLICIES
-    from .prediction.fit import MAX_LAYERS
 
     d = ModelConfig()
     p = argparse.ArgumentParser(
@@ -127,12 +129,8 @@ def _predict_config(args) -> ModelConfig:
 
 
 def predict_main(argv: list[str]) -> int:
-    from .prediction.fit import FitRequest, will_it_fit
-    from .prediction.fixes import cheapest_fix
 
     if any(a == "--hf" or a.startswith("--hf=") for a in argv):  # a Hugging Face model: cli_hf.py
-        from .cli_hf import hf_predict_main
-
         return hf_predict_main(argv)
     parser = build_predict_parser()
     args = parser.parse_args(argv)

@@ -1,10 +1,10 @@
 """Lesson 05, activation checkpointing: what each policy keeps, what it recomputes, what it costs.
 
-The policies themselves are core (:mod:`anatomy_helpers.checkpointing`, wired into the model through
+The policies themselves are core (:mod:`anatomy_helpers.core.checkpointing`, wired into the model through
 ``ModelConfig.checkpoint``). What is here only lesson 05 uses: the policy line-up and its table (peak, activations,
 extra FLOPs, time), the memory-vs-time picture, the recomputations one by one, the gradient checks (with and without
 RNG-state preservation), the budget exercise and the GPU comparison. Part 2
-(:mod:`anatomy_helpers.lessons.checkpointing_kept`) counts what a checkpointed model keeps: per layer against
+(:mod:`anatomy_helpers.lessons.lesson05_kept`) counts what a checkpointed model keeps: per layer against
 Korthikanti et al.'s formula, and across every-k segments (the sqrt(L) rule). Units are bytes unless a name says
 otherwise.
 """
@@ -21,14 +21,15 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..budget import try_budget
-from ..data import get_batch, seed_everything
-from ..plots import CourseFigure, plot_timeline
-from ..step import step_flops
-from ..tables import Col, format_table
+from ..core.data import get_batch, seed_everything
+from ..core.tables import Col, format_table
+from ..core.units import MiB, pick_unit
+from ..prediction.cuda import cuda_run_under_limit
 from ..tracking.trace import Trace
-from ..train import make_model, make_optimizer, track_steps
-from ..units import MiB, pick_unit
+from ..training.budget import try_budget
+from ..training.step import step_flops
+from ..training.train import make_model, make_optimizer, track_steps
+from ..ui.plots import CourseFigure, plot_timeline
 
 # ---------------------------------------------------------------------------------------------
 # The line-up
@@ -417,7 +418,6 @@ class CudaPeak:
 def cuda_peaks(policies: list[Policy], *, steps: int = 2, batch_size: int = 8, device=None, **model_config):
     """Per policy, a fresh model trained ``steps`` tracked steps on the GPU; the last step's tracked peak beside
     ``torch.cuda.max_memory_allocated()`` (reset before each step). Needs CUDA."""
-    from ..cuda import cuda_run_under_limit  # refuses a CPU device
 
     out = []
     for p in policies:

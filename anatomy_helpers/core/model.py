@@ -21,7 +21,6 @@ from torch.utils.checkpoint import checkpoint
 from .checkpointing import attention_core, check_policy, offload_context, recomputes_blocks, run_checkpointed
 from .checks import positive_int
 from .data import get_tokenizer, max_seq_len
-from .prediction.formulas import param_count
 
 ATTENTION_IMPLS = ("manual", "sdpa")
 BLOCKS = ("gpt2", "llama")  # GPT-2's block, or Llama's: RMSNorm, SwiGLU, rotary positions, grouped-query attention
@@ -130,6 +129,50 @@ def check_params_fit_in_ram(cfg: ModelConfig) -> None:
             f"{cfg} has {n:,} parameters = {n * 4 / 2**30:,.1f} GiB in float32; "
             f"this machine has {ram / 2**30:,.1f} GiB of RAM"
         )
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters of ``GPT(cfg)``, each shared tensor counted once.
+
+    The GPT-2 parameter count as Narayanan et al. 2021 write it ("Efficient Large-Scale
+    Language Model Training on GPU Clusters Using Megatron-LM"),
+    P = 12Lh^2 (1 + 13/(12h) + (v + s)/(12Lh)), plus the final LayerNorm's 2h. Here
+    h is the hidden size, v the vocabulary, L the blocks, s the context and r*h the
+    MLP width (r = 4 in GPT-2):
+
+    * each block: attention qkv + proj is 4h^2 weights + 4h biases, the MLP is
+      2rh^2 weights + (r + 1)h biases, and two LayerNorms are 4h, so
+      (4 + 2r)h^2 + (9 + r)h, which is the familiar 12h^2 + 13h for r = 4;
+    * the token embedding is h*v, shared with the LM head (weight tying), so counted once;
+    * the learned position embedding is s*h; the final LayerNorm is 2h.
+
+    For r = 4: ``h*v + L*(12h^2 + 13h) + 2h + s*h``. An untied LM head adds another ``h*v``.
+    ``cfg.block == "llama"``: :func:`llama_param_count`.
+    """
+    if getattr(cfg, "block", "gpt2") == "llama":
+        return llama_param_count(cfg)
+    h, v, L, s, r = cfg.d_model, cfg.vocab_size, cfg.n_layer, cfg.seq_len, cfg.mlp_ratio
+    head = 0 if getattr(cfg, "tie_embeddings", True) else h * v
+    per_block = (4 + 2 * r) * h * h + (9 + r) * h
+    return h * v + L * per_block + 2 * h + s * h + head
+
+
+def llama_param_count(cfg: ModelConfig) -> int:
+    """Number of parameters of the Llama-block GPT: no biases, no position embedding (rotary has no weights).
+
+    With ``d = h / a`` the head width, ``k`` key/value heads and ``F = r*h`` the MLP width:
+
+    * attention: q and the output projection are ``h^2`` each, k and v are ``h*k*d`` each: ``2h^2 + 2hkd``;
+    * SwiGLU MLP: gate, up and down are ``h*F`` each: ``3hF``;
+    * two RMSNorms: ``2h``; the final RMSNorm ``h``;
+    * the token embedding ``h*v``, plus ``h*v`` again for an untied LM head.
+    """
+    h, v, L, r = cfg.d_model, cfg.vocab_size, cfg.n_layer, cfg.mlp_ratio
+    k = cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
+    d = h // cfg.n_head
+    per_block = 2 * h * h + 2 * h * k * d + 3 * h * (r * h) + 2 * h
+    head = 0 if cfg.tie_embeddings else h * v
+    return h * v + L * per_block + h + head
 
 
 class CausalSelfAttention(nn.Module):
@@ -337,7 +380,7 @@ class GPT(nn.Module):
 
     The LM head shares its weight with the token embedding (as in GPT-2 and nanoGPT),
     so the parameter count is the textbook ``h*v + L*(12h^2 + 13h) + 2h`` plus
-    ``s*h`` for the learned position embeddings (``formulas.param_count``).
+    ``s*h`` for the learned position embeddings (``param_count``).
 
     With ``cfg.block == "llama"`` the blocks are :class:`LlamaBlock` s, positions are rotary (no position
     embedding) and the final norm is an RMSNorm; ``tie_embeddings=False`` gives the head its own weight.

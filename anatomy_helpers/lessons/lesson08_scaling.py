@@ -12,16 +12,17 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.tables import Col, format_table
+from ..core.units import MiB, pick_unit
+from ..distributed.fake_world import dry_run_rank
 from ..distributed.ranks import STRATEGIES, Collective, RankJob, RankResult
 from ..distributed.sync_model import collective_name
 from ..distributed.world import format_rank_table, rank_rows, run_world
-from ..plots import CourseFigure, legend_of_all, phase_legend_entries, plot_timeline
 from ..prediction.formulas import zero_model_states
-from ..tables import Col, format_table
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
-from ..train import make_model, make_optimizer, track_steps
-from ..units import MiB, pick_unit
+from ..training.train import make_model, make_optimizer, track_steps
+from ..ui.plots import CourseFigure, legend_of_all, phase_legend_entries, plot_timeline
 
 # The lesson's model: small enough that five strategies on two ranks run in seconds on a laptop.
 CONFIG = dict(n_layer=2, d_model=128, n_head=4, seq_len=64)
@@ -260,7 +261,7 @@ def plot_rank_timelines(results: dict[str, list[RankResult]], strategies=None, *
     """One timeline per (strategy, rank): strategies down, ranks across (wrapping after :data:`RANK_COLUMNS`), one
     y scale; collectives as ticks on top (filled triangle: all-gather, hollow circle: reduce-scatter or all-reduce,
     cross: broadcast). One legend names every category, marker and phase shading drawn. Returns the Figure."""
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # drawn on first use: rank processes never draw
 
     strategies = list(strategies or results)
     ranks = len(results[strategies[0]])
@@ -453,7 +454,6 @@ def accumulation_sync(micro_batches=(1, 2, 4), world_size: int = 2) -> list[Sync
     """Rank 0 of a ``world_size``-rank DDP job at the lesson's global batch, dry-run on torch's fake process group
     for each micro-batch count: ``run_step`` runs all but the last micro-batch under DDP's ``no_sync()``, so the
     gradients are all-reduced once per step, whatever k."""
-    from ..distributed.fake_world import dry_run_rank
 
     rows = []
     for k in micro_batches:

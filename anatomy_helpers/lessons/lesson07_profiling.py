@@ -23,9 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.profiler._memory_profiler import Action, TensorKey
 
-from ..step import StepHooks, StepPlan, run_step
-from ..tables import Col, format_table
+from ..core.tables import Col, format_table
+from ..core.units import MiB
 from ..tracking.events import CATEGORIES, PHASES
 from ..tracking.profiler import (
     COURSE_CATEGORY,
@@ -39,7 +42,7 @@ from ..tracking.profiler import (
     sample_phases,
 )
 from ..tracking.trace import Trace
-from ..units import MiB
+from ..training.step import StepHooks, StepPlan, run_step
 
 # Where scripts/record_gpu_reference.py writes its snapshot: package data, so that Colab's install has it too.
 GPU_REFERENCE = Path(__file__).resolve().parent / "gpu_reference" / "first_steps.pickle"
@@ -68,17 +71,16 @@ class RecordPhases(StepHooks):
     cut into steps and phases (:func:`~anatomy_helpers.tracking.profiler.phase_spans`)."""
 
     def phase(self, name: str):
-        from torch.profiler import record_function
 
         return record_function(name)
 
 
 def profile_steps(model, optimizer, steps: int = 2, batch_size: int = 8, *, seed: int = 0) -> ProfiledRun:
     """Profile ``steps`` training steps as notebook 07 does (schedule, record_function phases, memory), and read
-    the memory timeline back. Each step is the course's :func:`~anatomy_helpers.step.run_step` on the batches of
+    the memory timeline back. Each step is the course's :func:`~anatomy_helpers.training.step.run_step` on the batches
+    of
     ``track_steps`` (same ``seed``), so a tracked run of a model built the same way runs the same step on the same
     data; the loss is not read, as notebook 07's loop does not read it."""
-    from torch.profiler import ProfilerActivity, profile, schedule
 
     plan = StepPlan(batch_size, seed=seed, read_loss=False, hooks=RecordPhases())
     device = next(model.parameters()).device
@@ -130,7 +132,6 @@ def phase_ops(prof, spans: Sequence[PhaseSpan]) -> list[OpRow]:
 
     Self memory is the profiler's own figure: what the op allocated minus what it freed, children excluded.
     """
-    from torch.autograd import DeviceType
 
     origin_us = prof.profiler.kineto_results.trace_start_ns() / 1e3
     events = [e for e in prof.events() if e.name.startswith("aten::") and e.device_type == DeviceType.CPU]
@@ -314,7 +315,6 @@ class UnknownPeak:
 def unknown_split(prof, spans: Sequence[PhaseSpan], device: str = "cpu") -> list[UnknownPeak]:
     """Split the profiler's UNKNOWN column into its two kinds, replaying its memory profile as
     ``export_memory_timeline`` does (reads torch's private ``_memory_profile``; recomputes it, a few seconds)."""
-    from torch.profiler._memory_profiler import Action, TensorKey
 
     mem = prof._memory_profile()
     dev = torch.device(device)
@@ -426,8 +426,8 @@ def check_answer(name: str, answer: str | None, measured: str) -> bool | None:
 def memory_viz_html(snapshot: dict, label: str, height: int = 460):
     """PyTorch's memory viewer (``torch.cuda._memory_viz.trace_plot``) for ``snapshot``, shown inside the notebook
     under ``label`` (an iframe; the viewer loads its script from the web, so it needs a connection)."""
-    from IPython.display import HTML
-    from torch.cuda import _memory_viz
+    from IPython.display import HTML  # a notebook's display: not on import
+    from torch.cuda import _memory_viz  # loaded when a snapshot is drawn
 
     page = _memory_viz.trace_plot(snapshot)
     return HTML(

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure
-from ..tables import Col, format_table
-from ..tensors import storage_bytes
+from ..core.tables import Col, format_table
+from ..core.tensors import storage_bytes
+from ..core.units import MiB, pick_unit
 from ..tracking.trace import Trace
-from ..train import OPTIMIZERS, make_model, make_optimizer, track_steps
-from ..units import MiB, pick_unit
+from ..training.train import OPTIMIZERS, make_model, make_optimizer, track_steps
+from ..ui.plots import CATEGORY_COLORS, CATEGORY_LABELS, FIGURE_WIDTH_IN, CourseFigure
 
 IMPLEMENTATIONS = ("single-tensor", "foreach", "fused")
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")

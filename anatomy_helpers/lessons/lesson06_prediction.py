@@ -7,22 +7,23 @@ Bytes everywhere unless a name says otherwise.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import ModelConfig
-from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure, plot_fit
+from ..core.model import ModelConfig
+from ..core.tables import Col, format_table
+from ..core.units import GiB, MiB, pick_unit
 from ..prediction.cuda_rules import CudaRuleError
 from ..prediction.devices import get_device
 from ..prediction.dryrun import dry_run_config
 from ..prediction.estimate import estimate_step, impl_of, textbook_estimates
 from ..prediction.fit import STEP_PHASES, describe, will_it_fit
-from ..tables import Col, format_table
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
-from ..train import make_model, make_optimizer, track_steps
-from ..units import GiB, MiB, pick_unit
+from ..training.train import make_model, make_optimizer, track_steps
+from ..ui.plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure, plot_fit
 
 #: Model shapes for the panel (ModelConfig fields); ``block`` is chosen separately. The vocabulary is GPT-2's
 #: (50,304, padded) for every shape but the toy, whose is the course text's.
@@ -62,7 +63,6 @@ def compare_methods(
     cfg: ModelConfig, batch_size: int = 8, optimizer: str = "adamw", foreach=None, fused=None, label: str = ""
 ) -> MethodComparison:
     """Measure two steps of ``cfg`` for real on CPU (tracked), dry-run them, and compute the closed form."""
-    import time
 
     model = make_model(device="cpu", **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
     opt = make_optimizer(model, optimizer, foreach=foreach, fused=fused)

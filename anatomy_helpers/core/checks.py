@@ -12,6 +12,8 @@ import math
 import numbers
 from collections.abc import Callable, Iterable
 
+import torch
+
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -82,7 +84,6 @@ def optional_callable(name: str, value) -> Callable | None:
 def torch_at_least(minimum: tuple[int, int], what: str, version: str | None = None) -> None:
     """RuntimeError unless the installed torch (or ``version``, e.g. "2.10.0+cu128") is at least ``minimum``: names
     ``what`` needs it, and how to upgrade. The package itself asks only for torch 2.6 (Colab keeps its own torch)."""
-    import torch
 
     version = torch.__version__ if version is None else version
     have = tuple(int(part) for part in version.split("+")[0].split(".")[:2])

@@ -22,8 +22,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from .checks import int_in, one_of, optional_callable, positive_int, positive_number, rank_of_world
-from .data import SEED_LIMIT, get_batch
+from ..core.checks import int_in, one_of, optional_callable, positive_int, positive_number, rank_of_world
+from ..core.data import SEED_LIMIT, get_batch
 
 AUTOCAST_CHOICES = (None, "bfloat16", "float16")
 

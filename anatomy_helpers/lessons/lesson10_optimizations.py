@@ -9,18 +9,25 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from ..data import get_batch
+from ..core.data import get_batch
+from ..core.model import ModelConfig
+from ..core.tables import Col, format_table
+from ..core.units import MiB, pick_unit
+from ..prediction.cuda import cuda_warm_up
 from ..prediction.levers import EFFECTS, Lever, dominant, levers
-from ..step import step_flops
-from ..tables import Col, format_table
+from ..tracking.profiler import load_memory_timeline, quiet_profiler
 from ..tracking.trace import Trace
-from ..train import make_model, make_optimizer, pick_device, track_steps
-from ..units import MiB, pick_unit
+from ..training.step import StepPlan, run_step, step_flops
+from ..training.train import make_model, make_optimizer, pick_device, track_steps
+from ..ui.plots import plot_timelines
 
 #: A step whose optimizer phase runs out: many parameters, one short sequence (Adam's state dominates its peak).
 OPTIMIZER_BOUND = dict(n_layer=2, d_model=128, n_head=2, seq_len=8)
@@ -90,7 +97,6 @@ def lever_named(name: str, cfg: dict) -> Lever:
 
 
 def _config(cfg: dict):
-    from ..model import ModelConfig
 
     return ModelConfig(**cfg)
 
@@ -132,8 +138,6 @@ def lever_run(cfg: dict, batch_size: int, lever: Lever, device=None) -> LeverRun
     if key not in _RUNS:
         cuda = dev.type == "cuda"
         if cuda:
-            from ..cuda import cuda_warm_up
-
             if str(dev) not in _WARM:
                 cuda_warm_up(dev)
                 _WARM.add(str(dev))
@@ -253,7 +257,6 @@ def format_verified(category: str, verified) -> str:
 
 def loss_gap(cfg: dict, names: tuple[str, ...], steps: int = 30, batch_size: int = 8) -> dict[str, list[float]]:
     """The loss of ``steps`` untracked steps of ``cfg`` with each optimizer ``name`` (same seed, same batches)."""
-    from ..step import StepPlan, run_step
 
     out = {}
     for name in names:
@@ -268,13 +271,6 @@ def compile_memory(cfg: dict, batch_size: int, device=None) -> dict[str, int]:
     ``torch.compile`` (inductor), the same model, batch and optimizer: the tracker cannot see inside a compiled graph
     (its dispatch mode makes Dynamo skip every frame), the profiler's allocator events can. Compiling takes tens of
     seconds to minutes on a CPU; the notebook runs it only when asked (else :func:`stored_compile_memory`)."""
-    import tempfile
-    import warnings
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from ..step import StepPlan, run_step
-    from ..tracking.profiler import load_memory_timeline, quiet_profiler
 
     peaks = {}
     for name in ("eager", "compiled"):
@@ -413,7 +409,6 @@ def lever_panel(config: str = "optimizer-bound", lever: str = "optimizer step in
     says why and shows the baseline alone. The function behind notebook 10's panel."""
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {tuple(CONFIGS)}, got {config!r}")
-    from ..plots import plot_timelines
 
     cfg, batch = CONFIGS[config]
     chosen = lever_named(lever, cfg)

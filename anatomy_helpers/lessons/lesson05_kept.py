@@ -2,7 +2,8 @@
 
 Per layer, term by term against Korthikanti et al. (2022) (:func:`compare_kept`), and across every-k segments, the
 count behind Chen et al.'s sqrt(L) rule, measured on a narrow model (:func:`every_k_sweep`, :func:`every_k_panel`).
-Part 1 (:mod:`anatomy_helpers.lessons.checkpointing`) has the policy line-up and what each costs. Units are bytes
+Part 1 (:mod:`anatomy_helpers.lessons.lesson05_checkpointing`) has the policy line-up and what each costs. Units are
+bytes
 unless a name says otherwise.
 """
 
@@ -16,10 +17,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import checkpointing
-from ..data import get_batch, seed_everything
-from ..model import ModelConfig
-from ..plots import FIGURE_WIDTH_IN, CourseFigure
+from ..core import checkpointing
+from ..core.data import get_batch, seed_everything
+from ..core.model import ModelConfig
+from ..core.tables import Col, format_table
+from ..core.units import MiB, pick_unit
 from ..prediction.formulas import KORTHIKANTI_TERMS, korthikanti_terms
 from ..prediction.saved import (
     SavedRow,
@@ -30,10 +32,9 @@ from ..prediction.saved import (
     saved_by_op,
     saved_rows,
 )
-from ..tables import Col, format_table
 from ..tracking.tracker import StepTracker
-from ..train import make_model, make_optimizer, pick_device
-from ..units import MiB, pick_unit
+from ..training.train import make_model, make_optimizer, pick_device
+from ..ui.plots import FIGURE_WIDTH_IN, CourseFigure
 
 # ---------------------------------------------------------------------------------------------
 # What each policy keeps per layer, against Korthikanti et al. (2022)

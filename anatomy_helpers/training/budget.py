@@ -16,11 +16,11 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .tensors import on_device, optimizer_state_tensors, returns_alias
-from .tracking.recorder import MemoryBudgetExceeded
-from .tracking.trace import Trace
+from ..core.tensors import on_device, optimizer_state_tensors, returns_alias
+from ..core.units import MiB
+from ..tracking.recorder import MemoryBudgetExceeded
+from ..tracking.trace import Trace
 from .train import make_model, make_optimizer, track_steps
-from .units import MiB
 
 
 def budget_between(trace: Trace, step_a: int = 1, step_b: int = 2, round_to: int = MiB) -> int:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .data import get_batch
-from .prediction.allocator import ROUND_LARGE, replay
-from .tables import Col, format_table
-from .tracking.trace import Trace
-from .train import make_model, make_optimizer, track_steps, train_step
-from .units import MiB, round_up
+from ..core.data import get_batch
+from ..core.tables import Col, format_table
+from ..core.units import MiB, round_up
+from ..tracking.trace import Trace
+from ..training.train import make_model, make_optimizer, track_steps, train_step
+from .allocator import ROUND_LARGE, replay
 
 
 def _cuda_device(device=None) -> torch.device:

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..data import get_batch
-from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure, plot_timeline
-from ..step import StepHooks, StepPlan
+from ..core.data import get_batch
+from ..core.units import MiB, pick_unit
 from ..tracking.events import ACTIVATIONS, GRADIENTS, ROOT, model_part, model_parts
 from ..tracking.trace import Trace
-from ..train import make_model, make_optimizer, track_steps
-from ..units import MiB, pick_unit
+from ..training.step import StepHooks, StepPlan
+from ..training.train import make_model, make_optimizer, track_steps
+from ..ui.plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure, plot_timeline
 
 
 def _n_layer(trace: Trace) -> int:

@@ -7,15 +7,17 @@ then build the panel with :func:`slider_panel` in a cell marked NBVAL_IGNORE_OUT
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
 import ipywidgets as w
+import numpy as np
 
+from ..core.units import MiB
+from ..training.train import make_model, make_optimizer, track_steps
 from .plots import plot_timeline
-from .train import make_model, make_optimizer, track_steps
-from .units import MiB
 
 
 def slider_panel(fn: Callable, **controls) -> w.interactive:
@@ -96,13 +98,11 @@ def figure_digest(figure) -> str:
     computed that its figure need not draw (a device's memory, off the scale of a small model's bars) count too:
     the figure's ``panel_numbers`` attribute (a sequence of numbers), where the panel sets one.
     """
-    import hashlib
 
-    import numpy as np
-    from matplotlib.collections import Collection
-    from matplotlib.image import AxesImage
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
+    from matplotlib.collections import Collection  # drawn on first use: rank processes never draw
+    from matplotlib.image import AxesImage  # drawn on first use: rank processes never draw
+    from matplotlib.lines import Line2D  # drawn on first use: rank processes never draw
+    from matplotlib.patches import Patch  # drawn on first use: rank processes never draw
 
     h = hashlib.sha256()
     h.update(np.asarray(getattr(figure, "panel_numbers", ()), dtype=float).tobytes())
@@ -127,7 +127,7 @@ def _show_digest(name: str, figure) -> None:
     """Display a hidden element with the panel's name and :func:`figure_digest` (only inside a kernel)."""
     if not _in_kernel():
         return
-    from IPython.display import HTML, display
+    from IPython.display import HTML, display  # a notebook's display: not on import
 
     digest = figure_digest(figure)
     display(HTML(f'<span class="{DIGEST_CLASS}" data-panel="{name}" data-digest="{digest}" hidden></span>'))
@@ -150,7 +150,7 @@ def progress(iterable: Iterable, total: int | None = None, desc: str = "") -> It
     in_notebook = _in_kernel()
     bar = None
     if in_notebook:
-        from IPython.display import display
+        from IPython.display import display  # a notebook's display: not on import
 
         bar = w.IntProgress(min=0, max=total, description=desc)
         display(bar)

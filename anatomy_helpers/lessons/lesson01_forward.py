@@ -15,14 +15,14 @@ from fractions import Fraction
 import numpy as np
 import torch.nn as nn
 
-from ..data import get_batch
-from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure
+from ..core.data import get_batch
+from ..core.units import pick_unit
 from ..prediction.saved import SavedRow, TermComparison, activations_by_part, distinct_bytes, first_savers, saved_rows
 from ..tracking.events import model_part
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
-from ..train import make_model, make_optimizer
-from ..units import pick_unit
+from ..training.train import make_model, make_optimizer
+from ..ui.plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure
 
 # ---------------------------------------------------------------------------------------------
 # Measuring a forward pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .units import GiB, KiB, MiB
+from ..core.units import GiB, KiB, MiB
 
 UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "x": 1, "count": 1}
 

@@ -7,16 +7,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ..core.model import ModelConfig
+from ..core.tables import Col, format_table
+from ..core.units import MiB
 from ..distributed.fake_world import WorldRow, world_rows
+from ..distributed.fit import FIGURES, RankMemory, dry_run_memory, from_records
 from ..distributed.sync_model import ASSUMPTIONS, LINKS, Link, StepTime, expected_max, scaling_curve
 from ..distributed.tensor_parallel import TPPart, compare_tp_layer, korthikanti_tp_terms, tp_dry_run
-from ..model import ModelConfig
-from ..tables import Col, format_table
+from ..distributed.timed_step import TimedJob, measure_timed_world
+from ..ui.plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure
 
 # Section 1: lesson 08's model, so that the small-N rows can be read beside its real gloo tables.
 CONFIG = dict(n_layer=2, d_model=128, n_head=4, seq_len=64)
@@ -267,7 +272,6 @@ def format_priced(steps: dict[str, StepTime]) -> str:
     """The collectives each modelled step priced (:attr:`~anatomy_helpers.distributed.sync_model.StepTime.priced`),
     by group and op: how many, on a ring of how many ranks, their bytes (whole buffers, MiB), their time and the
     part of it that is per-message latency (ms)."""
-    from ..units import MiB
 
     cols = [
         Col("strategy", 12, align="<"),
@@ -304,7 +308,6 @@ TIMED_STRAGGLER_S = 0.15
 def timed_world(world_size: int = 2, steps: int = 3) -> list:
     """Each rank's :class:`~anatomy_helpers.distributed.timed_step.RankTimes` of ``steps`` synced, compute-only and
     straggler steps of lesson 08's model on ``world_size`` real gloo ranks (2 rows each)."""
-    from ..distributed.timed_step import TimedJob, measure_timed_world
 
     job = TimedJob(
         steps=steps,
@@ -322,7 +325,6 @@ def plot_timed_step(ranks: Sequence, kinds: Sequence[str] = ("synced", "straggle
     """One step of each of ``kinds`` on each rank (its median step), one panel per kind: forward, backward until
     its last bucket was issued, its wait for the all-reduces, the optimizer and the rest; under each rank, when
     each bucket's all-reduce was issued and done. Returns the Figure."""
-    from ..plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, PHASE_SHADES, CourseFigure
 
     fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 1.0 + 1.3 * len(kinds) * len(ranks) / 2), layout="constrained")
     axes = fig.subplots(len(kinds), 1, sharex=True, squeeze=False)[:, 0]
@@ -364,9 +366,6 @@ FIT_REFERENCE = Path(__file__).with_name("fit_reference.json")  # scripts/record
 
 def stored_fit() -> tuple[list, dict]:
     """The fit table scripts/record_fit.py recorded: (RankMemory rows, what they were computed on)."""
-    import json
-
-    from ..distributed.fit import from_records
 
     record = json.loads(FIT_REFERENCE.read_text(encoding="utf-8"))
     return from_records(record.pop("rows")), record
@@ -375,7 +374,6 @@ def stored_fit() -> tuple[list, dict]:
 def mesh_comparison(rows: Sequence[WorldRow], model: dict = CONFIG, world_size: int = MESH_WORLD, tp: int = MESH_TP):
     """Rank 0 of FSDP2 at ``world_size`` ranks (section 1's row, from ``rows``) and rank 0 of tp x FSDP2 on a
     ``(world_size / tp, tp)`` mesh, dry-run here, as two :class:`~anatomy_helpers.distributed.fit.RankMemory`."""
-    from ..distributed.fit import FIGURES, RankMemory, dry_run_memory
 
     fsdp = next(r for r in rows if r.strategy == "fsdp2_zero3" and r.world_size == world_size)
     same = RankMemory("section 1", "fsdp2_zero3", 1, world_size, *(getattr(fsdp, f) for f in FIGURES))

@@ -33,7 +33,7 @@ def seed_everything(seed: int = 0) -> None:
 @lru_cache(maxsize=1)
 def load_text() -> str:
     """The whole course text as one string."""
-    return resources.files("anatomy_helpers").joinpath("data", TEXT_FILE).read_text(encoding="utf-8")
+    return resources.files(__package__).joinpath("text", TEXT_FILE).read_text(encoding="utf-8")
 
 
 class CharTokenizer:

@@ -15,17 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.tables import Col, format_table
+from ..core.units import GiB, KiB, pick_unit
 from ..distributed.hf_fit import dry_run_hf_rank, will_it_fit_hf
-from ..plots import plot_fit
 from ..prediction.formulas import korthikanti_layer_bytes
 from ..prediction.hf import hf_config, meta_parameters, tiny_config
 from ..prediction.hf_fit import MODEL_STATES
 from ..prediction.hf_step import FineTune, dry_run_hf, make_hf_model
 from ..prediction.saved import first_savers, saved_rows
-from ..tables import Col, format_table
 from ..tracking.events import CATEGORIES
 from ..tracking.trace import Trace
-from ..units import GiB, KiB, pick_unit
+from ..ui.plots import plot_fit
 
 #: The lesson's tiny model: Llama 3.2 1B's architecture (grouped-query attention, SwiGLU, RMSNorm, tied
 #: embeddings) at 2 layers of width 128, a 256-token vocabulary; real random weights, runs in a second.

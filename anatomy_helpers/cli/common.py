@@ -1,4 +1,4 @@
-"""What both prediction commands share (``cli.py`` for the course GPT, ``cli_hf.py`` for Hugging Face models):
+"""What both prediction commands share (``cli/main.py`` for the course GPT, ``cli/hf.py`` for Hugging Face models):
 argparse types that check through checks.py, the options of a fit question (micro-batches, optimizer
 implementation, autocast, the GPU, --json, --fix), and the JSON form of a fit report and its fixes (bytes)."""
 
@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
-from .checks import int_in, positive_int, positive_number
+from ..core.checks import int_in, positive_int, positive_number
+from ..prediction.devices import DEVICES, gib_device
+from ..prediction.fit import IMPLEMENTATION_FLAGS
+from ..prediction.fixes import fixes_table
+from ..training.step import AUTOCAST_CHOICES
 
 
 def _argument(parse, check, what: str):
@@ -81,11 +86,8 @@ def print_fit(report, fixes, device, *, as_json: bool, fix: bool = False, **extr
     JSON object with ``extra``'s keys added. A step that fits ranks no fix: ``fix`` then prints
     :data:`FITS_AS_IT_IS`."""
     if as_json:
-        import json
-
         print(json.dumps(report_answer(report, device) | extra | {"fixes": fixes_answer(fixes)}, indent=2))
         return
-    from .prediction.fixes import fixes_table
 
     print(report.table())
     if fixes:
@@ -97,9 +99,6 @@ def print_fit(report, fixes, device, *, as_json: bool, fix: bool = False, **extr
 def add_fit_options(p: argparse.ArgumentParser, *, gpu_default: str) -> None:
     """The options both ``predict`` commands take: gradient accumulation, the optimizer's implementation, autocast,
     the device (a named GPU or a size in GiB), ``--json`` and ``--fix``."""
-    from .prediction.devices import DEVICES
-    from .prediction.fit import IMPLEMENTATION_FLAGS
-    from .step import AUTOCAST_CHOICES
 
     p.add_argument(
         "--micro-batches", type=positive_int_arg, default=1, help="gradient accumulation: micro-batches per step, "
@@ -123,6 +122,5 @@ def add_fit_options(p: argparse.ArgumentParser, *, gpu_default: str) -> None:
 
 def device_of(args):
     """The Device ``--gpu`` or ``--gpu-gib`` names."""
-    from .prediction.devices import DEVICES, gib_device
 
     return DEVICES[args.gpu] if args.gpu_gib is None else gib_device(args.gpu_gib)

@@ -1,0 +1,1 @@
+"""What a learner sees: figures (plots.py), slider panels (widgets.py) and prediction checks (exercises.py)."""
