@@ -1,5 +1,7 @@
-"""Will a Hugging Face fine-tune fit on one GPU: :func:`will_it_fit_hf`, the course GPT's will-it-fit
-(:mod:`anatomy_helpers.prediction.fit`) for the models of :mod:`anatomy_helpers.prediction.hf`.
+"""The pieces of a Hugging Face fine-tune's will-it-fit (the one entry is
+:func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf`, one device or per rank): the request's check, its label,
+and :func:`fit_report_hf`, the course GPT's will-it-fit (:mod:`anatomy_helpers.prediction.fit`) for a trace of the
+models of :mod:`anatomy_helpers.prediction.hf`.
 
 The same pieces: a two-step dry run (:func:`~anatomy_helpers.prediction.hf_step.dry_run_hf`: the fine-tuning step
 on fake tensors, byte for byte the tracked real step, micro-batches included), its allocations replayed through
@@ -9,9 +11,9 @@ the caching-allocator simulator capped at the device's usable memory, and the sa
 * **Device rules.** The CUDA rules of :mod:`anatomy_helpers.prediction.cuda_rules` (dropout masks, cuBLAS
   workspaces, autocast's softmax, SDPA's backend) are stated for the course's GPT, op by op. For a Hugging Face
   model the phase needs follow the CPU kernels' rules, as for a device given by its size; the report says so.
-* **Data parallelism** is not here: per rank under DDP or ZeRO,
-  :func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf` dry-runs one rank of the sharded step on torch's fake
-  process group, the engine lesson 08's per-rank tables run, and reports it through :func:`fit_report_hf`.
+* **Data parallelism**: per rank under DDP or ZeRO, :func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf`
+  dry-runs one rank of the sharded step on torch's fake process group, the engine lesson 08's per-rank tables run,
+  and reports it through :func:`fit_report_hf` too.
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -24,7 +26,7 @@ from .cuda_rules import CPU_RULES
 from .devices import Device
 from .fit import FitReport, allocator_failure, phase_needs, usable_device
 from .hf import hf_config
-from .hf_step import FineTune, dry_run_hf
+from .hf_step import FineTune
 
 #: The model states (a trace's categories).
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
@@ -62,17 +64,3 @@ def fit_report_hf(trace: Trace, label: str, dev: Device, note: str = "") -> FitR
     failure = allocator_failure(record, rep, dev.usable)
     needs = phase_needs(trace, None, rep)
     return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), HF_RULES)
-
-
-def will_it_fit_hf(
-    model, fine_tune: FineTune | None = None, device: str | int | Device = "a100-80", *, trace: Trace | None = None
-) -> FitReport:
-    """Dry-run two steps of ``fine_tune`` (default: ``FineTune()``) on ``model`` (a shipped name, a config.json or
-    a config: hf.hf_config); say whether they fit on one ``device`` (fit.py's devices) and, if not, which phase runs
-    out first. ``trace``: the dry run of ``fine_tune`` on ``model``, if already made (it is not checked). Per rank
-    of a data-parallel job: :func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf`.
-    """
-    fine_tune = FineTune() if fine_tune is None else fine_tune
-    cfg, dev = check_request(model, fine_tune, device)
-    trace = dry_run_hf(cfg, fine_tune, steps=2) if trace is None else trace
-    return fit_report_hf(trace, describe_hf(cfg, fine_tune, model if isinstance(model, str) else None), dev)
