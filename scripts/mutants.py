@@ -665,6 +665,14 @@ MUTANTS = [
         "flops = 0 if fix.extra_flops is None else round(fix.extra_flops, 3)",
         ("tests/test_prediction.py::test_sdpa_is_offered_where_the_manual_attentions_scores_do_not_fit",),
     ),
+    # ---- the one will-it-fit (distributed/one_fit.py)
+    Mutant(
+        "one_fit.rank-batch-not-global",
+        "distributed/one_fit.py",
+        "batch_size=rows * world_size,  # the global batch",
+        "batch_size=rows,  # the global batch",
+        ("tests/test_one_fit.py::test_the_course_gpt_per_rank_is_the_dry_run_of_its_sharded_rank",),
+    ),
 ]
 
 

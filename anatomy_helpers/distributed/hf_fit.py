@@ -115,7 +115,7 @@ def rank_note(trace: Trace, world_size: int, zero: int) -> str:
     parts = ", ".join(f"{c.replace('_', ' ')} {size_text(before[c])}" for c in MODEL_STATES)
     return (
         f"per rank of {world_size} under {ZERO_STRATEGIES[zero]} (ZeRO-{zero}): {parts} before the optimizer step; "
-        f"a dry run of rank 0 of the sharded step on torch's fake process group (distributed/hf_fit.py), after "
+        f"a dry run of rank 0 of the sharded step on torch's fake process group, after "
         f"{WARMUP} untracked warm-up step"
     )
 

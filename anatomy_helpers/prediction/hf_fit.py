@@ -56,11 +56,11 @@ def check_request(model, fine_tune: FineTune, device):
     return cfg, usable_device(device)
 
 
-def fit_report_hf(trace: Trace, label: str, dev: Device, note: str = "") -> FitReport:
+def fit_report_hf(trace: Trace, label: str, dev: Device, note: str = "", rules: str = HF_RULES) -> FitReport:
     """``trace`` (two steps of a fine-tune: a dry run of one device's step, or of one rank's) replayed through the
     allocator simulator under ``dev``'s usable memory, as fit.py's :class:`FitReport` labelled ``label``."""
     record = trace.allocation_record()
     rep = replay(record)
     failure = allocator_failure(record, rep, dev.usable)
     needs = phase_needs(trace, None, rep)
-    return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), HF_RULES)
+    return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), rules)
