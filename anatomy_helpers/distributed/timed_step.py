@@ -158,15 +158,12 @@ class _Timer(StepHooks):
             start = time.perf_counter()
             if name == "backward":
                 self.backward_start = start
+                if self.delay:
+                    time.sleep(self.delay)  # a slow device: its backward starts late, all of its gradients come late
             yield
             self.times[name] = time.perf_counter() - start
 
         return timed()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.delay:
-            time.sleep(self.delay)  # a slow device: its backward starts late, all of its gradients come late
-        super().backward(loss)  # the step's own backward (step.StepHooks)
 
 
 def _sweep(sizes: Sequence[int], reps: int, busy: bool = False) -> dict[int, list[float]]:
