@@ -214,7 +214,7 @@ MUTANTS = [
     ),
     Mutant(
         "hf_fit.fit-checked-against-the-whole-device",
-        "prediction/hf_fit.py",
+        "prediction/fit.py",
         "failure = allocator_failure(record, rep, dev.usable)",
         "failure = allocator_failure(record, rep, dev.total)",
         ("tests/test_hf_fit.py::test_the_report_holds_the_dry_runs_peaks_and_its_verdict_follows_the_device",),

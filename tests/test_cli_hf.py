@@ -73,9 +73,9 @@ def test_predict_hf_on_a_full_size_shipped_model(capsys):
     ],
 )
 def test_predict_hf_bad_options_exit_2_naming_them(args, message, capsys, monkeypatch):
-    import anatomy_helpers.prediction.hf_fit as hf_fit
+    import anatomy_helpers.prediction.fit as fit  # trace_fit_report replays every dry run of a fine-tune
 
-    monkeypatch.setattr(hf_fit, "replay", lambda *a, **k: pytest.fail("replayed a refused request"))
+    monkeypatch.setattr(fit, "replay", lambda *a, **k: pytest.fail("replayed a refused request"))
     with pytest.raises(SystemExit) as e:
         main(["predict", "--seq-len", "16", *args])
     printed = capsys.readouterr()

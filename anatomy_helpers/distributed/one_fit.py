@@ -18,8 +18,7 @@ import dataclasses
 from ..core.model import ModelConfig
 from ..prediction import fit
 from ..prediction.cuda_rules import CPU_RULES
-from ..prediction.fit import FitReport, usable_device
-from ..prediction.hf_fit import fit_report_hf
+from ..prediction.fit import FitReport, trace_fit_report, usable_device
 from ..prediction.hf_step import FineTune
 from .fake_world import dry_run_rank
 from .hf_fit import WARMUP, ZERO_STRATEGIES, rank_note, will_it_fit_hf
@@ -91,4 +90,4 @@ def _course_rank_fit(
     )
     trace = dry_run_rank(job, world_size).result.trace
     label = f"course GPT ({cfg.n_layer} layers, d_model {cfg.d_model}), b={rows} per rank, adamw"
-    return fit_report_hf(trace, label, dev, rank_note(trace, world_size, stage), RANK_RULES)
+    return trace_fit_report(trace, label, dev, rank_note(trace, world_size, stage), RANK_RULES)

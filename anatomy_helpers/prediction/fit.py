@@ -387,3 +387,14 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
         label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note(),
         rules_text(corrections, sdpa, dev.capability),
     )  # fmt: skip
+
+
+def trace_fit_report(trace: Trace, label: str, dev: Device, note: str = "", rules: str = CPU_RULES) -> FitReport:
+    """``trace`` (two steps: a dry run of one device's step, or of one rank's) replayed through the allocator
+    simulator under ``dev``'s usable memory, as a :class:`FitReport` labelled ``label``, its phase needs following
+    ``rules`` (no CUDA correction applied: a Hugging Face model's step, a rank's)."""
+    record = trace.allocation_record()
+    rep = replay(record)
+    failure = allocator_failure(record, rep, dev.usable)
+    needs = phase_needs(trace, None, rep)
+    return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), rules)

@@ -1,6 +1,7 @@
 """The pieces of a Hugging Face fine-tune's will-it-fit (the one entry is
 :func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf`, one device or per rank): the request's check, its label,
-and :func:`fit_report_hf`, the course GPT's will-it-fit (:mod:`anatomy_helpers.prediction.fit`) for a trace of the
+and :data:`HF_RULES`; a trace becomes the course GPT's :class:`~anatomy_helpers.prediction.fit.FitReport` through
+:func:`~anatomy_helpers.prediction.fit.trace_fit_report`, for a trace of the
 models of :mod:`anatomy_helpers.prediction.hf`.
 
 The same pieces: a two-step dry run (:func:`~anatomy_helpers.prediction.hf_step.dry_run_hf`: the fine-tuning step
@@ -13,18 +14,15 @@ the caching-allocator simulator capped at the device's usable memory, and the sa
   model the phase needs follow the CPU kernels' rules, as for a device given by its size; the report says so.
 * **Data parallelism**: per rank under DDP or ZeRO, :func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf`
   dry-runs one rank of the sharded step on torch's fake process group, the engine lesson 08's per-rank tables run,
-  and reports it through :func:`fit_report_hf` too.
+  and reports it through :func:`~anatomy_helpers.prediction.fit.trace_fit_report` too.
 
 Bytes everywhere unless a name says otherwise.
 """
 
 from __future__ import annotations
 
-from ..tracking.trace import Trace
-from .allocator import replay
 from .cuda_rules import CPU_RULES
-from .devices import Device
-from .fit import FitReport, allocator_failure, phase_needs, usable_device
+from .fit import usable_device
 from .hf import hf_config
 from .hf_step import FineTune
 
@@ -54,13 +52,3 @@ def check_request(model, fine_tune: FineTune, device):
     if not isinstance(fine_tune, FineTune):
         raise ValueError(f"fine_tune must be a FineTune, got {type(fine_tune).__name__}")
     return cfg, usable_device(device)
-
-
-def fit_report_hf(trace: Trace, label: str, dev: Device, note: str = "", rules: str = HF_RULES) -> FitReport:
-    """``trace`` (two steps of a fine-tune: a dry run of one device's step, or of one rank's) replayed through the
-    allocator simulator under ``dev``'s usable memory, as fit.py's :class:`FitReport` labelled ``label``."""
-    record = trace.allocation_record()
-    rep = replay(record)
-    failure = allocator_failure(record, rep, dev.usable)
-    needs = phase_needs(trace, None, rep)
-    return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), rules)
