@@ -3,6 +3,7 @@ one rank dry-run on the fake process group, its block's saved activations agains
 the Llama block's too (tp_plan.py's Llama plan: grouped-query heads split whole, the qkv rows in rank order), against
 the terms derived in the paper's style (LLAMA_TERMS); real gloo ranks against the dry run, in one world."""
 
+import dataclasses
 from dataclasses import asdict
 
 import pytest
@@ -22,6 +23,7 @@ from anatomy_helpers.distributed.tensor_parallel import (
     layer_parts,
     llama_tp_terms,
     tp_dry_run,
+    tp_whole_sbh,
 )
 from anatomy_helpers.distributed.tp_plan import check_tp, qkv_rank_order
 from anatomy_helpers.prediction.estimate import layer_activation_bytes
@@ -380,3 +382,15 @@ def test_the_lessons_tables_print_each_term_and_each_part(llama_runs):
     last = table.splitlines()[-1].split()
     assert last[0] == "total" and len(last) == 7
     assert last[1] == f"{sum(layer_parts(llama_runs[(2, False)].trace).values()):,}"
+
+
+def test_what_tp_leaves_whole_counts_the_models_own_width_and_masks():
+    """By hand: GPT-2's unsharded terms are the LayerNorm inputs (4 sbh), the QKV and fc1 inputs (2 + 2) and two
+    1-byte residual masks (1 + 1): 10 in 16 bits with dropout; fp32 doubles the 2-byte terms (16 + 2 = 18); dropout
+    0 drops the masks (16 in fp32). Llama's: both RMSNorms' tensors (4 + 4), the qkv and gate/up inputs, the masks."""
+    gpt2 = ModelConfig(n_layer=1, d_model=32, n_head=2, seq_len=8, dropout=0.1, dtype="bfloat16")
+    assert tp_whole_sbh(gpt2) == 10
+    assert tp_whole_sbh(dataclasses.replace(gpt2, dtype="float32")) == 18
+    assert tp_whole_sbh(dataclasses.replace(gpt2, dtype="float32", dropout=0.0)) == 16
+    assert tp_whole_sbh(dataclasses.replace(gpt2, dropout=0.0)) == 8
+    assert tp_whole_sbh(dataclasses.replace(gpt2, block="llama")) == 14

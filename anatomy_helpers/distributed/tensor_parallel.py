@@ -137,6 +137,22 @@ def block_tp_terms(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool = F
     return korthikanti_tp_terms(s, b, h, a, t, sequence_parallel)
 
 
+def tp_whole_sbh(cfg: ModelConfig) -> float:
+    """What plain tensor parallelism leaves whole on every rank, per layer, in units of ``sbh`` bytes, at ``cfg``'s
+    own activation width: the formula's unsharded terms (GPT-2: the LayerNorm inputs, the QKV and fc1 inputs, the
+    two residual dropout masks; Llama: :data:`LLAMA_TERMS`' whole rows), each 2-byte term at the model's element
+    size, masks at 1 byte, and no mask at dropout 0. The paper's count (16-bit, dropout on) is 10 for GPT-2's
+    block; an fp32 block with dropout 0 keeps 16."""
+    elem = torch.empty(0, dtype=cfg.torch_dtype).element_size()
+    sharded = {term for term, *_, split in LLAMA_TERMS if split} if cfg.block == "llama" else set(TP_SHARDED_TERMS)
+    whole = 0.0
+    for term, v in block_tp_terms(cfg, 1, 1).items():
+        if term in sharded or (not cfg.dropout and term in DROPOUT_TERMS):
+            continue
+        whole += v if term in MASK_TERMS else v * elem / 2
+    return whole / (cfg.seq_len * cfg.d_model)
+
+
 #: DTensor's warning on CPU meshes (torch/distributed/tensor/_random.py), silenced inside :func:`tp_dry_run` only.
 DTENSOR_RNG_WARNING = "DTensor random operators may not have complete support on cpu device mesh"
 
