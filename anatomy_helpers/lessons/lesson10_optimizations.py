@@ -266,6 +266,20 @@ def loss_gap(cfg: dict, names: tuple[str, ...], steps: int = 30, batch_size: int
     return out
 
 
+def update_gap(cfg: dict, options: dict, steps: int = 5, batch_size: int = 8) -> float:
+    """The largest absolute difference between the parameters after ``steps`` untracked AdamW steps of ``cfg`` on
+    the CPU with ``options`` (``make_optimizer``'s keywords: ``fused=True``, ``in_backward=True``) and with torch's
+    default implementation (same seed, same batches): 0.0 when the updates agree bit for bit."""
+    trained = []
+    for opts in ({}, options):
+        model = make_model(device="cpu", **cfg)
+        optimizer = make_optimizer(model, "adamw", **opts)
+        for i in range(steps):
+            run_step(model, optimizer, StepPlan(batch_size=batch_size, read_loss=False), i)
+        trained.append([p.detach() for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*trained))
+
+
 def compile_memory(cfg: dict, batch_size: int, device=None) -> dict[str, int]:
     """The peak of torch.profiler's memory timeline (bytes) over two profiled training steps, eager and under
     ``torch.compile`` (inductor), the same model, batch and optimizer: the tracker cannot see inside a compiled graph
