@@ -51,7 +51,8 @@ EIGHT_BIT = Lever(
     "8-bit state (bitsandbytes)",
     ("optimizer_state",),
     "numerics",
-    "bitsandbytes' AdamW8bit: uint8 moments + a float32 scale per 256",
+    "bitsandbytes' AdamW8bit: uint8 moments + a float32 scale per 256 from 4,096 elements on (min_8bit_size), "
+    "float32 moments below",
     step={"optimizer": "adamw8bit"},
 )
 #: Lesson 03's implementations as levers (the baseline is torch's default: single-tensor on a CPU, foreach on CUDA).
@@ -66,7 +67,8 @@ OFFLOAD = Lever(
     "save_on_cpu offload",
     ("activations",),
     "time only",
-    "the blocks' saved tensors copied to host memory in forward, back in backward; on a CPU they are there already",
+    "the blocks' saved tensors copied to pinned host memory in forward, back in backward; on a GPU only (on a CPU "
+    "they are in host memory already, and save_on_cpu(pin_memory=True) would copy them)",
     config={"checkpoint": "offload"},
 )
 #: Gradient accumulation (lesson 08): the logits-bound batch as micro-batches of one row, one optimizer step.
