@@ -18,6 +18,7 @@ import torch
 from ..core.tables import Col, format_table
 from ..core.units import GiB, KiB, pick_unit
 from ..distributed.hf_fit import dry_run_hf_rank, will_it_fit_hf
+from ..prediction.devices import DEFAULT_GPU
 from ..prediction.formulas import korthikanti_layer_bytes
 from ..prediction.hf import hf_config, meta_parameters, tiny_config
 from ..prediction.hf_fit import MODEL_STATES
@@ -318,7 +319,7 @@ def dry_run(model, ft: FineTune, world_size: int = 1, zero: int = 0) -> Trace:
 
 def fit_panel_hf(
     model: str = "llama-3.2-1b",
-    device: str = "t4",
+    device: str = DEFAULT_GPU,
     world_size: int = 2,
     zero: int = 3,
     lora_rank: int = 0,
