@@ -279,8 +279,18 @@ def rules_table(rows: list[RuleRow]) -> str:
 
 # ---- the will-it-fit panel ------------------------------------------------------------------------------------
 
-#: The panel's models: the shipped ones whose two-step dry run takes seconds on a laptop.
-PANEL_MODELS = ("llama-3.2-1b", "qwen2.5-0.5b")
+#: The panel's models: the shipped ones up to 4 B parameters, the sizes a learner fine-tunes on a free Colab
+#: runtime, smallest first after the two the lesson starts with (the panel opens on the first); the 7 B and 8 B
+#: models are the CLI's (README's "Will it fit?").
+PANEL_MODELS = (
+    "llama-3.2-1b",
+    "qwen2.5-0.5b",
+    "qwen2.5-1.5b",
+    "smollm2-1.7b",
+    "qwen2.5-3b",
+    "llama-3.2-3b",
+    "phi-3.5-mini",
+)
 
 
 def panel_fine_tune(lora_rank: int, batch_size: int, seq_len: int) -> FineTune:
