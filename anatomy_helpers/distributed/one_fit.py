@@ -18,6 +18,7 @@ import dataclasses
 from ..core.model import ModelConfig
 from ..prediction import fit
 from ..prediction.cuda_rules import CPU_RULES
+from ..prediction.devices import DEFAULT_GPU
 from ..prediction.fit import FitReport, trace_fit_report, usable_device
 from ..prediction.hf_step import FineTune
 from .fake_world import dry_run_rank
@@ -33,7 +34,7 @@ def will_it_fit(
     model: ModelConfig | str | object | None = None,
     batch_size: int | None = None,
     *,
-    device="t4",
+    device=DEFAULT_GPU,
     world_size: int = 1,
     zero: int | None = None,
     fine_tune: FineTune | None = None,

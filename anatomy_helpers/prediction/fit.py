@@ -33,7 +33,7 @@ from ..training.step import AUTOCAST_CHOICES
 from ..training.train import OPTIMIZER_NAMES
 from .allocator import replay, replay_with_limit
 from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
-from .devices import Device, get_device
+from .devices import DEFAULT_GPU, Device, get_device
 from .dryrun import dry_run_config
 
 #: Optimizer implementations and the (foreach, fused) flags that pick them.
@@ -215,7 +215,7 @@ class FitRequest:
     optimizer: str = "adamw"  # one of train.OPTIMIZER_NAMES
     implementation: str = "foreach"  # the optimizer's: "single", "foreach" (torch's CUDA default), "fused"
     autocast: str | None = None  # None, "bfloat16" or "float16"
-    device: str | int | Device = "t4"  # a short name, "this GPU", a total in bytes, or a Device
+    device: str | int | Device = DEFAULT_GPU  # a short name, "this GPU", a total in bytes, or a Device
     micro_batches: int = 1  # gradient accumulation: batch_size // micro_batches sequences per forward
     in_backward: bool = False  # the optimizer step fused into backward (step.OptimizerInBackward)
 
