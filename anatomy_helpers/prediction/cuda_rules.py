@@ -9,6 +9,8 @@ from torch's source (the file and function are in its docstring; torch 2.13-era 
   tensor in the input's dtype.
 * :func:`cublas_workspaces`: cuBLAS keeps one workspace per (handle, stream), allocated through the caching
   allocator and never freed: 8,320 KiB, or 32 MiB on compute capability 9.0.
+* :func:`cublaslt_workspaces`: cuBLASLt, which runs a Linear with a bias (``addmm``), keeps its own 1 MiB per
+  (handle, stream), also never freed.
 * :func:`autocast_softmax`: CUDA autocast runs softmax in fp32 (CPU autocast does not), so the manual attention's
   saved probabilities are fp32 plus a 16-bit copy for ``att @ v``.
 * :func:`sdpa_backend` / :func:`sdpa_correction`: the backend CUDA's ``scaled_dot_product_attention`` picks, and
@@ -16,15 +18,19 @@ from torch's source (the file and function are in its docstring; torch 2.13-era 
 
 What a rule cannot state exactly is refused with :class:`CudaRuleError`, not guessed. The corrections are bytes
 per storage over that storage's lifetime (or from a moment on), so every phase peak is recomputed on the corrected
-timeline. ``scripts/gpu_check.py`` compares it with a real run on a GPU; where that was done, :data:`CHECKED_ON` says
-what it showed.
+timeline. Where a stored GPU run measured a step the rules predict, every prediction for that compute capability says
+what it measured (:func:`checked_text`, from :data:`CUDA_CHECKS`, which ``scripts/record_cuda_checks.py`` writes
+from the run itself), above the prediction or under it.
 
 Bytes everywhere unless a name says otherwise.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,6 +38,7 @@ import torch.nn as nn
 
 from ..core.checkpointing import recomputes_blocks
 from ..core.model import GPT, ModelConfig
+from ..core.tables import Col, format_table
 from ..core.units import KiB
 from ..tracking.events import CATEGORIES
 from ..tracking.trace import Trace
@@ -40,17 +47,18 @@ from .devices import Device
 CPU_RULES = "CPU kernels"
 CUDA_RULES = "CUDA rules from torch source ({}), {}"
 NOT_CHECKED = "not yet checked on this GPU"
-#: What a real step showed, per compute capability the rules were checked on (tests/test_cuda_rules.py's real-step
-#: test, which scripts/gpu_check.py runs): the prediction against ``torch.cuda.memory_allocated`` at each phase peak.
-CHECKED_ON = {
-    (9, 0): "checked on an H200 (torch 2.11): 1 to 2 MiB under memory_allocated at each phase peak (cuBLASLt)"
-}
+#: What the stored GPU run measured against the predictions (MiB, per run and row), written by
+#: ``scripts/record_cuda_checks.py`` from ``lessons/gpu_reference/first_steps.json`` and ``docs/gpu_outputs``.
+CUDA_CHECKS = Path(__file__).with_name("cuda_checks.json")
 
 #: cuBLAS workspace per (handle, stream): ``parseChosenWorkspaceSize`` in aten/src/ATen/cuda/CublasHandlePool.cpp
 #: ("`:4096:2:16:8` default, 32MiB for Hopper": 4096 KiB x 2 + 16 KiB x 8, or 4096 KiB x 8 when major == 9 and
 #: minor == 0).
 CUBLAS_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8  # 8,519,680 = 8,320 KiB
 CUBLAS_WORKSPACE_SM90 = 4096 * KiB * 8  # 33,554,432 = 32 MiB
+#: cuBLASLt's workspace per (handle, stream): ``getCUDABlasLtWorkspaceSize`` in CublasHandlePool.cpp
+#: (``CUBLASLT_WORKSPACE_SIZE`` KiB, 1024 by default, capped at the cuBLAS workspace, which is larger on every GPU).
+CUBLASLT_WORKSPACE = 1024 * KiB
 
 #: Memory-efficient attention's logsumexp rows are padded to a multiple of this (``kAlignLSE`` in
 #: aten/src/ATen/native/transformers/cuda/attention.cu, ``_efficient_attention_forward``).
@@ -131,8 +139,8 @@ def cublas_workspaces(trace: Trace, capability: tuple[int, int]) -> list[Correct
     (``Engine::start_device_threads``, torch/csrc/autograd/engine.cpp), whose pool window reserves a second handle
     while the first thread keeps its own: two pairs on the default stream. Put in ``kernel_scratch``: library
     memory no op returns. Stated approximation: the first workspace is counted from the forward's first sample
-    (the first matmul comes a few ops later, far from any peak). Not counted: cuBLASLt's separate 1 MiB workspace
-    per pair (``getCUDABlasLtWorkspace``), used only by the matmuls torch routes through cuBLASLt.
+    (the first matmul comes a few ops later, far from any peak). cuBLASLt's own workspace is
+    :func:`cublaslt_workspaces`.
     """
     nbytes = cublas_workspace_bytes(capability)
     forward, backward = trace.phase(1, "forward").start, trace.phase(1, "backward").start
@@ -140,6 +148,30 @@ def cublas_workspaces(trace: Trace, capability: tuple[int, int]) -> list[Correct
         Correction("cuBLAS workspace", "kernel_scratch", nbytes, forward),
         Correction("cuBLAS workspace", "kernel_scratch", nbytes, backward),
     ]
+
+
+def cublaslt_workspaces(trace: Trace, cfg: ModelConfig) -> list[Correction]:
+    """cuBLASLt's workspace (:data:`CUBLASLT_WORKSPACE`) from step 1's forward on, where a Linear with a bias runs;
+    a second from step 1's backward on where the policy runs those Linears again in backward; never freed.
+
+    A Linear with a bias is ``addmm`` (``linear`` flattens a contiguous 3-D input to 2-D); CUDA's
+    ``addmm_out_cuda_impl`` (aten/src/ATen/native/cuda/Blas.cpp) takes the cuBLASLt path where
+    ``isInputCompliesAddmmCudaLt`` holds (a 1-D bias, beta 1, both matrices more than one row and column; not
+    disabled by ``DISABLE_ADDMM_CUDA_LT=1``), and ``gemm_and_bias`` (CUDABlas.cpp) asks ``getCUDABlasLtWorkspace``
+    (CublasHandlePool.cpp) for its workspace: allocated through the caching allocator the first time a (handle,
+    stream) pair asks, kept in ``cublaslt_handle_stream_to_workspace`` (shared with cuBLAS's only under
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``). The GPT-2 block's Linears have biases (the Llama block's do not);
+    ``full`` and ``every_k`` run whole blocks again on autograd's thread, with its own handle. Counted from the
+    forward's first sample, as :func:`cublas_workspaces` counts its own.
+    """
+    if cfg.block != "gpt2" or min(cfg.seq_len, cfg.d_model) < 2:
+        return []
+    out = [Correction("cuBLASLt workspace", "kernel_scratch", CUBLASLT_WORKSPACE, trace.phase(1, "forward").start)]
+    if cfg.checkpoint in ("full", "every_k"):
+        out.append(
+            Correction("cuBLASLt workspace", "kernel_scratch", CUBLASLT_WORKSPACE, trace.phase(1, "backward").start)
+        )
+    return out
 
 
 def autocast_softmax(trace: Trace, cfg: ModelConfig, autocast: str | None) -> list[Correction]:
@@ -258,24 +290,118 @@ def cuda_corrections(trace: Trace, cfg: ModelConfig, autocast: str | None, devic
     return [
         *dropout_masks(trace, cfg),
         *cublas_workspaces(trace, device.capability),
+        *cublaslt_workspaces(trace, cfg),
         *autocast_softmax(trace, cfg, autocast),
         *sdpa_correction(trace, cfg, autocast, device.capability),
     ]
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One comparison of a stored GPU run (MiB, as the run printed them or from its bytes, 2 decimals)."""
+
+    label: str
+    measured_mib: float  # torch.cuda.max_memory_allocated over the step(s)
+    predicted_mib: float  # the prediction's (or the GPU tracker's) peak of tensors
+    simulated_mib: float | None = None  # the allocator simulator's peak of allocated bytes (whole blocks), if made
+
+    @property
+    def gap_mib(self) -> float:
+        """Measured - predicted (positive: the GPU held more than predicted)."""
+        return round(self.measured_mib - self.predicted_mib, 2)
+
+
+@dataclass(frozen=True)
+class CheckRun:
+    """One stored GPU run's comparisons: where they were read (``source``), what ran, on which GPU and torch, and
+    against what (``against``: "prediction", a dry run with CUDA's rules; "tracked", the tracker on the GPU)."""
+
+    source: str
+    what: str
+    gpu: str
+    torch: str
+    capability: tuple[int, int]
+    against: str
+    rows: tuple[CheckRow, ...]
+
+
+@functools.cache
+def checked_runs() -> tuple[CheckRun, ...]:
+    """The stored GPU runs of :data:`CUDA_CHECKS` (none if the file is missing)."""
+    if not CUDA_CHECKS.exists():
+        return ()
+    runs = json.loads(CUDA_CHECKS.read_text())["runs"]
+    return tuple(
+        CheckRun(
+            r["source"],
+            r["what"],
+            r["gpu"],
+            r["torch"],
+            tuple(r["capability"]),
+            r["against"],
+            tuple(
+                CheckRow(x["label"], x["measured_mib"], x["predicted_mib"], x.get("simulated_mib")) for x in r["rows"]
+            ),
+        )  # fmt: skip
+        for r in runs
+    )
+
+
+def _span(gaps: list[float]) -> str:
+    """Gaps (MiB, measured - predicted) in words: "5.01 to 6.01 MiB above", "1.00 MiB under", "-0.50 to +2.00 MiB"."""
+    lo, hi = min(gaps), max(gaps)
+    if lo < 0 < hi:
+        return f"{lo:+.2f} to {hi:+.2f} MiB against"
+    a, b = sorted((abs(lo), abs(hi)))
+    size = f"{a:.2f} MiB" if a == b else f"{a:.2f} to {b:.2f} MiB"
+    return f"{size} {'under' if hi < 0 else 'above'}"
+
+
+def checked_text(capability: tuple[int, int] | None) -> str:
+    """What the stored GPU runs of this compute capability measured against the prediction, in one clause (read
+    from :data:`CUDA_CHECKS`, never typed in); :data:`NOT_CHECKED` where none was stored."""
+    runs = [r for r in checked_runs() if capability is not None and r.capability == tuple(capability)]
+    runs = [r for r in runs if r.against == "prediction"]
+    if not runs:
+        return NOT_CHECKED
+    rows = [row for r in runs for row in r.rows]
+    gpus = " and ".join(dict.fromkeys(f"an {r.gpu} (torch {r.torch})" for r in runs))
+    text = f"checked on {gpus}: max_memory_allocated {_span([row.gap_mib for row in rows])} the predicted tensors"
+    simulated = [round(row.measured_mib - row.simulated_mib, 2) for row in rows if row.simulated_mib is not None]
+    if simulated:
+        text += f", {_span(simulated)} the simulated allocator's blocks"
+    return text
+
+
+def checks_table(against: str = "prediction") -> str:
+    """The stored GPU runs compared ``against`` "prediction" or "tracked", row by row (MiB), as a text table."""
+    cols = [Col("run", 44, align="<"), Col("rows", 10, align="<"), Col("measured", 9, ".2f")]
+    cols += [Col(against if against == "tracked" else "predicted", 9, ".2f"), Col("gap", 7, "+.2f")]
+    cols += [Col("simulated", 9, ".2f"), Col("gap", 7, "+.2f")]
+    table = []
+    for r in (r for r in checked_runs() if r.against == against):
+        for row in r.rows:
+            sim = row.simulated_mib
+            gap = None if sim is None else round(row.measured_mib - sim, 2)
+            table.append(
+                (r.source.split("/")[-1], row.label, row.measured_mib, row.predicted_mib, row.gap_mib, sim, gap)
+            )
+    note = "(MiB; measured: max_memory_allocated; gap: measured - the column before it)"
+    return format_table(cols, table, note=note)
 
 
 def rules_text(
     corrections: list[Correction] | None, sdpa: str | None = None, capability: tuple[int, int] | None = None
 ) -> str:
     """The rules line of a prediction: "CPU kernels" (None) or the CUDA rules that changed something, the SDPA
-    backend CUDA would run (``sdpa``, from :func:`sdpa_backend`) where the model uses SDPA, and whether the rules were
-    checked on a GPU of this ``capability`` (:data:`CHECKED_ON`)."""
+    backend CUDA would run (``sdpa``, from :func:`sdpa_backend`) where the model uses SDPA, and what the stored GPU
+    runs of this ``capability`` measured against the prediction (:func:`checked_text`)."""
     if corrections is None:
         return CPU_RULES
     used = list(dict.fromkeys(c.rule for c in corrections if c.nbytes))
     if sdpa is not None:
         used.append(f"SDPA's {sdpa} backend")
-    checked = CHECKED_ON.get(tuple(capability), NOT_CHECKED) if capability is not None else NOT_CHECKED
-    return CUDA_RULES.format(", ".join(used) or "none changed this step", checked)
+    return CUDA_RULES.format(", ".join(used) or "none changed this step", checked_text(capability))
 
 
 def correction_series(trace: Trace, corrections: list[Correction]) -> np.ndarray:
@@ -298,16 +424,23 @@ def corrected_peak(trace: Trace, series: np.ndarray, step: int, phase: str) -> t
 
 
 __all__ = [
-    "CHECKED_ON",
+    "CUDA_CHECKS",
     "CUBLAS_WORKSPACE",
     "CUBLAS_WORKSPACE_SM90",
+    "CUBLASLT_WORKSPACE",
+    "CheckRow",
+    "CheckRun",
     "Correction",
     "CudaRuleError",
     "autocast_softmax",
+    "checked_runs",
+    "checked_text",
+    "checks_table",
     "corrected_peak",
     "correction_series",
     "cublas_workspace_bytes",
     "cublas_workspaces",
+    "cublaslt_workspaces",
     "cuda_corrections",
     "dropout_masks",
     "rules_text",
