@@ -6,23 +6,21 @@ import pytest
 import torch
 
 from anatomy_helpers.core.model import ModelConfig
-from anatomy_helpers.prediction import cuda_rules
+from anatomy_helpers.prediction import cuda_checks
+from anatomy_helpers.prediction.cuda_checks import CheckRow, CheckRun, checked_text
 from anatomy_helpers.prediction.cuda_rules import (
-    CheckRow,
-    CheckRun,
     CudaRuleError,
     autocast_softmax,
-    checked_text,
     cublas_workspace_bytes,
     cublaslt_workspaces,
     cuda_corrections,
     dropout_masks,
-    sdpa_backend,
 )
 from anatomy_helpers.prediction.devices import DEVICES, Device, get_device
 from anatomy_helpers.prediction.dryrun import dry_run_config
 from anatomy_helpers.prediction.fit import will_it_fit
 from anatomy_helpers.prediction.fixes import cheapest_fix
+from anatomy_helpers.prediction.sdpa_rules import minimum_gemm_alignment, sdpa_backend, sdpa_choice
 
 from .conftest import SMALL
 
@@ -104,6 +102,11 @@ def test_autocast_softmax_is_fp32_on_cuda():
         will_it_fit(ModelConfig(**SMALL, dtype="bfloat16"), B, autocast="bfloat16", device="a100-80")
 
 
+def _heads(d: int, **changes) -> ModelConfig:
+    """A one-layer SDPA model with head dim ``d`` (two heads)."""
+    return ModelConfig(n_layer=1, d_model=2 * d, n_head=2, seq_len=8, attn_impl="sdpa", **changes)
+
+
 def test_sdpa_backend_per_capability_and_dtype():
     fp32, bf16 = ModelConfig(**SMALL, attn_impl="sdpa"), ModelConfig(**SMALL, attn_impl="sdpa", dtype="bfloat16")
     assert sdpa_backend(fp32, None, (8, 0)) == "efficient"  # flash needs 16-bit inputs
@@ -113,6 +116,41 @@ def test_sdpa_backend_per_capability_and_dtype():
     assert sdpa_backend(odd, None, (8, 0)) == "math"  # efficient needs a multiple of 4 from 8.0 on
     assert sdpa_backend(odd, None, (7, 5)) == "efficient"  # fp32 on 7.5: no tensor cores, alignment 1
     assert sdpa_backend(odd, "float16", (7, 5)) == "math"  # fp16 on 7.5: tensor cores, a multiple of 8
+
+
+def test_memory_efficient_alignment_follows_minimum_gemm_alignment():
+    # 4 from 8.0 on, raised to 128 / bits where tensor cores are used (8.0 on; 7.x with 16-bit inputs), else 1
+    expected = {((8, 0), "float32"): 4, ((8, 0), "bfloat16"): 8, ((9, 0), "float16"): 8, ((7, 5), "float16"): 8,
+                ((7, 5), "float32"): 1, ((6, 1), "float16"): 1, ((5, 0), "float32"): 1}  # fmt: skip
+    assert {key: minimum_gemm_alignment(dtype, cap) for (cap, dtype), key in zip(expected, expected)} == expected
+
+
+def test_flash_head_dim_caps_and_the_sm86_to_sm89_training_gap():
+    bf16 = "bfloat16"
+    for cap in ((8, 0), (9, 0)):  # A100, H100/H200: flash up to 256, then memory-efficient (no cap of its own)
+        assert sdpa_backend(_heads(256), bf16, cap) == "flash"
+        assert sdpa_backend(_heads(264), bf16, cap) == "efficient"  # 264 = 33 x 8
+        assert sdpa_backend(_heads(208), bf16, cap) == "flash"  # the (192, 224] gap is 8.6 to 8.9's only
+    l4 = (8, 9)  # an L4 (8.9): flash's backward refuses head dims in (192, 224]
+    assert sdpa_backend(_heads(192), bf16, l4) == "flash" and sdpa_backend(_heads(232), bf16, l4) == "flash"
+    backend, refused = sdpa_choice(_heads(208), bf16, l4)
+    assert backend == "efficient" and "8.9" in refused[0] and "208" in refused[0]
+    assert sdpa_backend(_heads(224), bf16, (8, 6)) == "efficient"  # 224 is in the gap (192, 224]
+    assert sdpa_backend(_heads(232, dropout=0.1), bf16, l4) == "efficient"  # above 224 only without dropout
+    assert sdpa_backend(_heads(232, dropout=0.1), bf16, (8, 0)) == "flash"  # an A100 has no gap
+    assert sdpa_backend(_heads(208), bf16, (12, 0)) == "efficient"  # 12.0 and 12.1 share the gap
+
+
+def test_sdpa_architectures_and_dtypes_outside_the_fused_kernels():
+    assert sdpa_backend(_heads(64, dtype="bfloat16"), None, (7, 5)) == "math"  # efficient takes bf16 from 8.0 on
+    assert sdpa_backend(_heads(64), None, (5, 0)) == "efficient" and sdpa_backend(_heads(64), None, (3, 7)) == "math"
+    backend, refused = sdpa_choice(_heads(64), "bfloat16", (13, 0))  # past 12.1: neither fused kernel is built
+    assert backend == "math" and "12.1" in refused[0] and "12.1" in refused[1]
+    with pytest.raises(CudaRuleError, match="math backend.*bf16 from compute capability 8.0"):
+        will_it_fit(_heads(16, dtype="bfloat16"), 2, device="t4")  # a T4 (7.5) runs bf16 SDPA in math
+    with pytest.raises(CudaRuleError, match="pads head dim 12"):
+        will_it_fit(_heads(12), 2, autocast="bfloat16", device="a100-80")  # flash with a head dim of 12
+    assert "SDPA's efficient backend" in will_it_fit(_heads(12), 2, device="a100-80").rules  # fp32: 12 % 4 == 0
 
 
 def test_sdpa_efficient_pads_the_logsumexp_and_dropout_is_refused():
@@ -150,11 +188,11 @@ def test_the_checked_sentence_says_what_the_stored_run_measured_above_or_under(m
 
     for gaps, words in (((5.01, 6.01), "5.01 to 6.01 MiB above"), ((-1.5, -0.5), "0.50 to 1.50 MiB under"),
                         ((-0.5, 2.0), "-0.50 to +2.00 MiB against"), ((2.0,), "2.00 MiB above")):  # fmt: skip
-        monkeypatch.setattr(cuda_rules, "checked_runs", lambda gaps=gaps: (run(*gaps),))
+        monkeypatch.setattr(cuda_checks, "checked_runs", lambda gaps=gaps: (run(*gaps),))
         text = checked_text((9, 0))
         assert text == f"checked on an NVIDIA X (torch 2.0): max_memory_allocated {words} the predicted tensors"
         assert checked_text((8, 0)) == "not yet checked on this GPU"
-    monkeypatch.setattr(cuda_rules, "checked_runs", lambda: (run(3.0, simulated=101.0),))
+    monkeypatch.setattr(cuda_checks, "checked_runs", lambda: (run(3.0, simulated=101.0),))
     assert checked_text((9, 0)).endswith(
         "3.00 MiB above the predicted tensors, 2.00 MiB above the simulated allocator's blocks"
     )
@@ -173,13 +211,13 @@ def test_the_stored_checks_are_the_stored_gpu_run_and_todays_prediction(tmp_path
     spec.loader.exec_module(script)
     monkeypatch.setattr(script, "CUDA_CHECKS", tmp_path / "cuda_checks.json")
     assert script.main() == 0
-    assert json.loads((tmp_path / "cuda_checks.json").read_text()) == json.loads(cuda_rules.CUDA_CHECKS.read_text())
+    assert json.loads((tmp_path / "cuda_checks.json").read_text()) == json.loads(cuda_checks.CUDA_CHECKS.read_text())
     # the reference's bytes, read here on their own: step 2's max_memory_allocated
     reference = json.loads((root / "anatomy_helpers/lessons/gpu_reference/first_steps.json").read_text())
     step2 = next(p["max_allocated"] for p in reference["peaks"] if p["step"] == 2)
-    fresh = next(r for r in cuda_rules.checked_runs() if r.source.endswith("first_steps.json"))
+    fresh = next(r for r in cuda_checks.checked_runs() if r.source.endswith("first_steps.json"))
     assert fresh.rows[1].measured_mib == round(step2 / 2**20, 2)
-    lesson06 = next(r for r in cuda_rules.checked_runs() if r.source.endswith("06_prediction.ipynb"))
+    lesson06 = next(r for r in cuda_checks.checked_runs() if r.source.endswith("06_prediction.ipynb"))
     cpu_rules = will_it_fit(ModelConfig(), 8, implementation="foreach", device=2**40)  # a size: no CUDA rule
     # after the warm-up the only CUDA rules that change the default step (the workspaces) are already in `before`
     assert lesson06.rows[0].predicted_mib == round(cpu_rules.peak.tensors / 2**20, 2)

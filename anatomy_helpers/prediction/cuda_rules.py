@@ -13,24 +13,21 @@ from torch's source (the file and function are in its docstring; torch 2.13-era 
   (handle, stream), also never freed.
 * :func:`autocast_softmax`: CUDA autocast runs softmax in fp32 (CPU autocast does not), so the manual attention's
   saved probabilities are fp32 plus a 16-bit copy for ``att @ v``.
-* :func:`sdpa_backend` / :func:`sdpa_correction`: the backend CUDA's ``scaled_dot_product_attention`` picks, and
-  what it saves against the CPU backend's.
+* :func:`sdpa_correction`: what the backend CUDA's ``scaled_dot_product_attention`` picks
+  (:mod:`~anatomy_helpers.prediction.sdpa_rules`: by dtype, head dim and compute capability) saves against the CPU
+  backend's.
 
 What a rule cannot state exactly is refused with :class:`CudaRuleError`, not guessed. The corrections are bytes
 per storage over that storage's lifetime (or from a moment on), so every phase peak is recomputed on the corrected
 timeline. Where a stored GPU run measured a step the rules predict, every prediction for that compute capability says
-what it measured (:func:`checked_text`, from :data:`CUDA_CHECKS`, which ``scripts/record_cuda_checks.py`` writes
-from the run itself), above the prediction or under it.
+what it measured, above the prediction or under it (:func:`~anatomy_helpers.prediction.cuda_checks.checked_text`).
 
 Bytes everywhere unless a name says otherwise.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,18 +35,15 @@ import torch.nn as nn
 
 from ..core.checkpointing import recomputes_blocks
 from ..core.model import GPT, ModelConfig
-from ..core.tables import Col, format_table
 from ..core.units import KiB
 from ..tracking.events import CATEGORIES
 from ..tracking.trace import Trace
+from .cuda_checks import checked_text
 from .devices import Device
+from .sdpa_rules import sdpa_choice
 
 CPU_RULES = "CPU kernels"
 CUDA_RULES = "CUDA rules from torch source ({}), {}"
-NOT_CHECKED = "not yet checked on this GPU"
-#: What the stored GPU run measured against the predictions (MiB, per run and row), written by
-#: ``scripts/record_cuda_checks.py`` from ``lessons/gpu_reference/first_steps.json`` and ``docs/gpu_outputs``.
-CUDA_CHECKS = Path(__file__).with_name("cuda_checks.json")
 
 #: cuBLAS workspace per (handle, stream): ``parseChosenWorkspaceSize`` in aten/src/ATen/cuda/CublasHandlePool.cpp
 #: ("`:4096:2:16:8` default, 32MiB for Hopper": 4096 KiB x 2 + 16 KiB x 8, or 4096 KiB x 8 when major == 9 and
@@ -63,6 +57,8 @@ CUBLASLT_WORKSPACE = 1024 * KiB
 #: Memory-efficient attention's logsumexp rows are padded to a multiple of this (``kAlignLSE`` in
 #: aten/src/ATen/native/transformers/cuda/attention.cu, ``_efficient_attention_forward``).
 EFFICIENT_LSE_ALIGN = 32
+#: Flash pads a head dim that is not a multiple of this (``mha_fwd`` in flash_attn/flash_api.cpp pads q, k, v).
+FLASH_HEAD_DIM_MULTIPLE = 8
 
 
 class CudaRuleError(ValueError):
@@ -221,28 +217,6 @@ def autocast_softmax(trace: Trace, cfg: ModelConfig, autocast: str | None) -> li
     return out
 
 
-def sdpa_backend(cfg: ModelConfig, autocast: str | None, capability: tuple[int, int]) -> str:
-    """The backend CUDA's ``scaled_dot_product_attention`` picks for the course model: "flash", "efficient" or
-    "math", from aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: ``priority_order`` tries flash, then
-    memory-efficient, then math. Flash needs fp16/bf16 inputs (``check_dtypes_low_precision``; under autocast SDPA
-    is a lower-precision op), compute capability 8.0 or more (``check_flash_attention_hardware_support``) and one
-    head width of at most 256 (``check_head_dim_size_flash``); memory-efficient attention takes fp32 too, from
-    capability 5.0, with the head width a multiple of ``minimum_gemm_alignment``: 4 from 8.0 on, raised to 8 for
-    16-bit inputs where tensor cores are used (8.0 on, or 7.x with 16-bit inputs), else 1. Both take dropout and
-    ``is_causal``. Newer sources may prefer cuDNN attention from 9.0 on (``check_prefer_cudnn_attention``): it saves
-    (B, a, s, 1) fp32 statistics, the same bytes as flash's logsumexp.
-    """
-    low = autocast is not None or cfg.dtype == "bfloat16"
-    cap, d = tuple(capability), cfg.head_dim
-    if low and cap >= (8, 0) and d <= 256:
-        return "flash"
-    tensor_cores = cap >= (8, 0) or (cap >= (7, 0) and low)
-    align = max(4 if cap >= (8, 0) else 1, (8 if low else 4) if tensor_cores else 1)
-    if cap >= (5, 0) and d % align == 0:
-        return "efficient"
-    return "math"
-
-
 def sdpa_correction(trace: Trace, cfg: ModelConfig, autocast: str | None, capability) -> list[Correction]:
     """What CUDA's SDPA backend saves against the CPU's, for ``attn_impl="sdpa"``.
 
@@ -253,18 +227,25 @@ def sdpa_correction(trace: Trace, cfg: ModelConfig, autocast: str | None, capabi
     dimension to a multiple of :data:`EFFICIENT_LSE_ALIGN`: that padding is the correction. Refused: dropout (the
     CPU's sdp_utils_cpp.cpp refuses flash with dropout and runs the math backend, which saves the (B, a, s, s)
     probabilities and noise, while CUDA's flash/efficient kernels save a philox seed and offset: no stated
-    mapping here), the math backend on CUDA, and head widths CUDA would pad (``mha_fwd`` pads to a multiple of 8).
+    mapping here), the math backend on CUDA (:func:`~anatomy_helpers.prediction.sdpa_rules.sdpa_choice` says why
+    flash and memory-efficient attention were refused), and flash with a head dim that is not a multiple of
+    :data:`FLASH_HEAD_DIM_MULTIPLE` (``mha_fwd`` pads q, k and v: copies not modelled).
     """
     if cfg.attn_impl != "sdpa":
         return []
-    backend = sdpa_backend(cfg, autocast, capability)
+    backend, refused = sdpa_choice(cfg, autocast, capability)
     if cfg.dropout:
         raise CudaRuleError(
             "attn_impl='sdpa' with dropout: CPU runs SDPA's math backend (it saves the attention probabilities), "
             f"CUDA its {backend} kernel (it saves a random seed instead); no rule here maps one onto the other"
         )
     if backend == "math":
-        raise CudaRuleError(f"CUDA would run SDPA's math backend for head width {cfg.head_dim}: not modelled")
+        raise CudaRuleError(f"CUDA would run SDPA's math backend ({'; '.join(refused)}): what it saves is not modelled")
+    if backend == "flash" and cfg.head_dim % FLASH_HEAD_DIM_MULTIPLE:
+        raise CudaRuleError(
+            f"CUDA's flash attention pads head dim {cfg.head_dim} to a multiple of {FLASH_HEAD_DIM_MULTIPLE} (copies "
+            "of q, k and v): not modelled"
+        )
     if backend == "flash":
         return []
     out = []
@@ -296,106 +277,12 @@ def cuda_corrections(trace: Trace, cfg: ModelConfig, autocast: str | None, devic
     ]
 
 
-@dataclass(frozen=True)
-class CheckRow:
-    """One comparison of a stored GPU run (MiB, as the run printed them or from its bytes, 2 decimals)."""
-
-    label: str
-    measured_mib: float  # torch.cuda.max_memory_allocated over the step(s)
-    predicted_mib: float  # the prediction's (or the GPU tracker's) peak of tensors
-    simulated_mib: float | None = None  # the allocator simulator's peak of allocated bytes (whole blocks), if made
-
-    @property
-    def gap_mib(self) -> float:
-        """Measured - predicted (positive: the GPU held more than predicted)."""
-        return round(self.measured_mib - self.predicted_mib, 2)
-
-
-@dataclass(frozen=True)
-class CheckRun:
-    """One stored GPU run's comparisons: where they were read (``source``), what ran, on which GPU and torch, and
-    against what (``against``: "prediction", a dry run with CUDA's rules; "tracked", the tracker on the GPU)."""
-
-    source: str
-    what: str
-    gpu: str
-    torch: str
-    capability: tuple[int, int]
-    against: str
-    rows: tuple[CheckRow, ...]
-
-
-@functools.cache
-def checked_runs() -> tuple[CheckRun, ...]:
-    """The stored GPU runs of :data:`CUDA_CHECKS` (none if the file is missing)."""
-    if not CUDA_CHECKS.exists():
-        return ()
-    runs = json.loads(CUDA_CHECKS.read_text())["runs"]
-    return tuple(
-        CheckRun(
-            r["source"],
-            r["what"],
-            r["gpu"],
-            r["torch"],
-            tuple(r["capability"]),
-            r["against"],
-            tuple(
-                CheckRow(x["label"], x["measured_mib"], x["predicted_mib"], x.get("simulated_mib")) for x in r["rows"]
-            ),
-        )  # fmt: skip
-        for r in runs
-    )
-
-
-def _span(gaps: list[float]) -> str:
-    """Gaps (MiB, measured - predicted) in words: "5.01 to 6.01 MiB above", "1.00 MiB under", "-0.50 to +2.00 MiB"."""
-    lo, hi = min(gaps), max(gaps)
-    if lo < 0 < hi:
-        return f"{lo:+.2f} to {hi:+.2f} MiB against"
-    a, b = sorted((abs(lo), abs(hi)))
-    size = f"{a:.2f} MiB" if a == b else f"{a:.2f} to {b:.2f} MiB"
-    return f"{size} {'under' if hi < 0 else 'above'}"
-
-
-def checked_text(capability: tuple[int, int] | None) -> str:
-    """What the stored GPU runs of this compute capability measured against the prediction, in one clause (read
-    from :data:`CUDA_CHECKS`, never typed in); :data:`NOT_CHECKED` where none was stored."""
-    runs = [r for r in checked_runs() if capability is not None and r.capability == tuple(capability)]
-    runs = [r for r in runs if r.against == "prediction"]
-    if not runs:
-        return NOT_CHECKED
-    rows = [row for r in runs for row in r.rows]
-    gpus = " and ".join(dict.fromkeys(f"an {r.gpu} (torch {r.torch})" for r in runs))
-    text = f"checked on {gpus}: max_memory_allocated {_span([row.gap_mib for row in rows])} the predicted tensors"
-    simulated = [round(row.measured_mib - row.simulated_mib, 2) for row in rows if row.simulated_mib is not None]
-    if simulated:
-        text += f", {_span(simulated)} the simulated allocator's blocks"
-    return text
-
-
-def checks_table(against: str = "prediction") -> str:
-    """The stored GPU runs compared ``against`` "prediction" or "tracked", row by row (MiB), as a text table."""
-    cols = [Col("run", 44, align="<"), Col("rows", 10, align="<"), Col("measured", 9, ".2f")]
-    cols += [Col(against if against == "tracked" else "predicted", 9, ".2f"), Col("gap", 7, "+.2f")]
-    cols += [Col("simulated", 9, ".2f"), Col("gap", 7, "+.2f")]
-    table = []
-    for r in (r for r in checked_runs() if r.against == against):
-        for row in r.rows:
-            sim = row.simulated_mib
-            gap = None if sim is None else round(row.measured_mib - sim, 2)
-            table.append(
-                (r.source.split("/")[-1], row.label, row.measured_mib, row.predicted_mib, row.gap_mib, sim, gap)
-            )
-    note = "(MiB; measured: max_memory_allocated; gap: measured - the column before it)"
-    return format_table(cols, table, note=note)
-
-
 def rules_text(
     corrections: list[Correction] | None, sdpa: str | None = None, capability: tuple[int, int] | None = None
 ) -> str:
     """The rules line of a prediction: "CPU kernels" (None) or the CUDA rules that changed something, the SDPA
-    backend CUDA would run (``sdpa``, from :func:`sdpa_backend`) where the model uses SDPA, and what the stored GPU
-    runs of this ``capability`` measured against the prediction (:func:`checked_text`)."""
+    backend CUDA would run (``sdpa``, from ``sdpa_rules.sdpa_backend``) where the model uses SDPA, and what the
+    stored GPU runs of this ``capability`` measured against the prediction (``cuda_checks.checked_text``)."""
     if corrections is None:
         return CPU_RULES
     used = list(dict.fromkeys(c.rule for c in corrections if c.nbytes))
@@ -424,18 +311,12 @@ def corrected_peak(trace: Trace, series: np.ndarray, step: int, phase: str) -> t
 
 
 __all__ = [
-    "CUDA_CHECKS",
     "CUBLAS_WORKSPACE",
     "CUBLAS_WORKSPACE_SM90",
     "CUBLASLT_WORKSPACE",
-    "CheckRow",
-    "CheckRun",
     "Correction",
     "CudaRuleError",
     "autocast_softmax",
-    "checked_runs",
-    "checked_text",
-    "checks_table",
     "corrected_peak",
     "correction_series",
     "cublas_workspace_bytes",
@@ -444,6 +325,5 @@ __all__ = [
     "cuda_corrections",
     "dropout_masks",
     "rules_text",
-    "sdpa_backend",
     "sdpa_correction",
 ]

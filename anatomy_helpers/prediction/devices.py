@@ -152,7 +152,8 @@ def capacity_table() -> str:
 def this_gpu() -> Device:
     """The CUDA device in use: its total from ``torch.cuda.mem_get_info`` (what this process sees), its compute
     capability, and the memory already taken outside PyTorch's allocator (``total - free - memory_reserved``: the
-    context, and any other process), or :data:`CUDA_CONTEXT_BYTES` if that is larger (the context grows when cuBLAS starts)."""
+    context, and any other process), or :data:`CUDA_CONTEXT_BYTES` if that is larger (the context grows when cuBLAS
+    starts)."""
     if not torch.cuda.is_available():
         raise ValueError(f"device {THIS_GPU!r} needs CUDA, which is not available here; name a device instead")
     index = torch.cuda.current_device()

@@ -33,9 +33,10 @@ from ..tracking.trace import Trace
 from ..training.step import AUTOCAST_CHOICES
 from ..training.train import OPTIMIZER_NAMES
 from .allocator import replay, replay_with_limit
-from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
+from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text
 from .devices import Device, get_device
 from .dryrun import dry_run_config
+from .sdpa_rules import sdpa_backend
 
 #: Optimizer implementations and the (foreach, fused) flags that pick them.
 IMPLEMENTATION_FLAGS = {"single": (False, None), "foreach": (True, None), "fused": (None, True)}
