@@ -103,7 +103,7 @@ def checked_text(capability: tuple[int, int] | None) -> str:
 
 def checks_table(against: str = "prediction") -> str:
     """The stored GPU runs compared ``against`` "prediction" or "tracked", row by row (MiB), as a text table."""
-    cols = [Col("run", 44, align="<"), Col("rows", 10, align="<"), Col("measured", 9, ".2f")]
+    cols = [Col("run", 20, align="<"), Col("rows", 10, align="<"), Col("measured", 9, ".2f")]
     cols += [Col(against if against == "tracked" else "predicted", 9, ".2f"), Col("gap", 7, "+.2f")]
     cols += [Col("simulated", 9, ".2f"), Col("gap", 7, "+.2f")]
     table = []

@@ -162,12 +162,14 @@ def cublaslt_workspaces(trace: Trace, cfg: ModelConfig) -> list[Correction]:
     """
     if cfg.block != "gpt2" or min(cfg.seq_len, cfg.d_model) < 2:
         return []
-    out = [Correction("cuBLASLt workspace", "kernel_scratch", CUBLASLT_WORKSPACE, trace.phase(1, "forward").start)]
-    if cfg.checkpoint in ("full", "every_k"):
-        out.append(
-            Correction("cuBLASLt workspace", "kernel_scratch", CUBLASLT_WORKSPACE, trace.phase(1, "backward").start)
-        )
-    return out
+    return cublaslt_threads(trace, 2 if cfg.checkpoint in ("full", "every_k") else 1)
+
+
+def cublaslt_threads(trace: Trace, threads: int) -> list[Correction]:
+    """:data:`CUBLASLT_WORKSPACE` for the forward's thread from step 1's forward on, and (``threads == 2``) for
+    autograd's thread from step 1's backward on (see :func:`cublaslt_workspaces`)."""
+    starts = [trace.phase(1, phase).start for phase in ("forward", "backward")[:threads]]
+    return [Correction("cuBLASLt workspace", "kernel_scratch", CUBLASLT_WORKSPACE, start) for start in starts]
 
 
 def autocast_softmax(trace: Trace, cfg: ModelConfig, autocast: str | None) -> list[Correction]:
@@ -321,6 +323,7 @@ __all__ = [
     "correction_series",
     "cublas_workspace_bytes",
     "cublas_workspaces",
+    "cublaslt_threads",
     "cublaslt_workspaces",
     "cuda_corrections",
     "dropout_masks",

@@ -393,14 +393,19 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     )  # fmt: skip
 
 
-def trace_fit_report(trace: Trace, label: str, dev: Device, note: str = "", rules: str = CPU_RULES) -> FitReport:
+def trace_fit_report(
+    trace: Trace, label: str, dev: Device, note: str = "", rules: str = CPU_RULES, corrections: list | None = None
+) -> FitReport:
     """``trace`` (two steps: a dry run of one device's step, or of one rank's) replayed through the allocator
     simulator under ``dev``'s usable memory, as a :class:`FitReport` labelled ``label``, its phase needs following
-    ``rules`` (no CUDA correction applied: a Hugging Face model's step, a rank's)."""
+    ``rules``: ``corrections`` (``cuda_rules.Correction``, a Hugging Face model's on one GPU:
+    ``hf_cuda_rules.hf_cuda_rules``) are added as :func:`fit_run` adds the course GPT's; none for a rank's."""
     record = trace.allocation_record()
     rep = replay(record)
-    failure = allocator_failure(record, rep, dev.usable)
-    needs = phase_needs(trace, None, rep)
+    series = correction_series(trace, corrections) if corrections else None
+    limit = dev.usable - (max(0, int(series.sum(axis=1).max())) if series is not None else 0)
+    failure = allocator_failure(record, rep, limit)
+    needs = phase_needs(trace, None, rep, series)
     return FitReport(
         label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), rules, dev.total_note()
     )

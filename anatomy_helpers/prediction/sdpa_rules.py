@@ -65,9 +65,10 @@ def minimum_gemm_alignment(dtype: str, capability: tuple[int, int]) -> int:
     return max(align, 128 // (16 if dtype in SIXTEEN_BIT else 32)) if tensor_cores else align
 
 
-def flash_refusal(cfg: ModelConfig, autocast: str | None, capability: tuple[int, int]) -> str | None:
-    """Why flash attention does not take the course's call (the first failing check, named), or None if it does."""
-    cap, dtype, d = tuple(capability), query_dtype(cfg, autocast), cfg.head_dim
+def flash_refusal(d: int, dtype: str, dropout: float, capability: tuple[int, int]) -> str | None:
+    """Why flash attention does not take a call of head dim ``d`` in ``dtype`` (the first failing check, named),
+    or None if it does."""
+    cap = tuple(capability)
     if not _within(cap, FLASH_ARCHS):
         return f"flash runs on compute capability 8.0 to 12.1, not {cap[0]}.{cap[1]}"
     if dtype not in SIXTEEN_BIT:
@@ -76,7 +77,7 @@ def flash_refusal(cfg: ModelConfig, autocast: str | None, capability: tuple[int,
         return f"flash takes head dims up to {FLASH_MAX_HEAD_DIM}, not {d}"
     low, high = FLASH_TRAINING_GAP
     if any(_within(cap, archs) for archs in FLASH_TRAINING_GAP_ARCHS):
-        if low < d <= high or (d > high and cfg.dropout):
+        if low < d <= high or (d > high and dropout):
             return (
                 f"flash's backward on compute capability {cap[0]}.{cap[1]} takes head dims up to {low}, or above "
                 f"{high} without dropout, not {d}{' with dropout' if d > high else ''}"
@@ -84,9 +85,9 @@ def flash_refusal(cfg: ModelConfig, autocast: str | None, capability: tuple[int,
     return None
 
 
-def efficient_refusal(cfg: ModelConfig, autocast: str | None, capability: tuple[int, int]) -> str | None:
-    """Why memory-efficient attention does not take the course's call (named), or None if it does."""
-    cap, dtype, d = tuple(capability), query_dtype(cfg, autocast), cfg.head_dim
+def efficient_refusal(d: int, dtype: str, capability: tuple[int, int]) -> str | None:
+    """Why memory-efficient attention does not take a call of head dim ``d`` in ``dtype`` (named), or None."""
+    cap = tuple(capability)
     if not _within(cap, EFFICIENT_ARCHS):
         return f"memory-efficient attention runs on compute capability 5.0 to 12.1, not {cap[0]}.{cap[1]}"
     if dtype == "bfloat16" and cap < (8, 0):
@@ -97,15 +98,23 @@ def efficient_refusal(cfg: ModelConfig, autocast: str | None, capability: tuple[
     return None
 
 
-def sdpa_choice(cfg: ModelConfig, autocast: str | None, capability: tuple[int, int]) -> tuple[str, list[str]]:
-    """(the backend CUDA runs: "flash", "efficient" or "math"; why each backend before it was refused)."""
+def choose_backend(d: int, dtype: str, dropout: float, capability: tuple[int, int]) -> tuple[str, list[str]]:
+    """(the backend CUDA runs for a dense causal call of head dim ``d``: "flash", "efficient" or "math"; why each
+    backend before it was refused)."""
     refused = []
-    for backend, refusal in (("flash", flash_refusal), ("efficient", efficient_refusal)):
-        why = refusal(cfg, autocast, capability)
+    for backend, why in (
+        ("flash", flash_refusal(d, dtype, dropout, capability)),
+        ("efficient", efficient_refusal(d, dtype, capability)),
+    ):
         if why is None:
             return backend, refused
         refused.append(why)
     return "math", refused
+
+
+def sdpa_choice(cfg: ModelConfig, autocast: str | None, capability: tuple[int, int]) -> tuple[str, list[str]]:
+    """:func:`choose_backend` for the course model's attention."""
+    return choose_backend(cfg.head_dim, query_dtype(cfg, autocast), cfg.dropout, capability)
 
 
 def sdpa_backend(cfg: ModelConfig, autocast: str | None, capability: tuple[int, int]) -> str:
@@ -115,6 +124,7 @@ def sdpa_backend(cfg: ModelConfig, autocast: str | None, capability: tuple[int, 
 
 
 __all__ = [
+    "choose_backend",
     "efficient_refusal",
     "flash_refusal",
     "minimum_gemm_alignment",
