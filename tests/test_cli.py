@@ -84,7 +84,7 @@ def test_predict_says_which_phase_runs_out(capsys):
     assert main(["predict", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq-len", "32"]) == 0
     assert "FITS" in capsys.readouterr().out
     big = ["predict", "--layers", "12", "--d-model", "768", "--heads", "12", "--seq-len", "1024", "--vocab", "50304"]
-    assert main([*big, "--attn", "sdpa", "--batch-size", "12", "--json"]) == 0
+    assert main([*big, "--attn", "sdpa", "--batch-size", "11", "--json"]) == 0  # a T4: step 1 fits, step 2 not
     answer = json.loads(capsys.readouterr().out)
     assert not answer["fits"] and answer["runs_out_first"] == {"step": 2, "phase": "backward"}
     assert len(answer["phases"]) == 6 and answer["usable_bytes"] < answer["capacity_bytes"]
