@@ -206,6 +206,20 @@ MUTANTS = [
         ("tests/test_prediction.py::test_fit_report_by_hand",),
     ),
     Mutant(
+        "devices.fit-uses-the-highest-total-a-process-was-seen-with",
+        "prediction/devices.py",
+        "return self.process_mib[0] * MiB",
+        "return self.process_mib[-1] * MiB",
+        ("tests/test_prediction.py::test_devices_carry_both_totals_and_a_fit_uses_what_a_process_sees",),
+    ),
+    Mutant(
+        "sdpa_rules.flash-gap-leaves-out-224",
+        "prediction/sdpa_rules.py",
+        "if low < d <= high or (d > high and dropout):",
+        "if low < d < high or (d > high and dropout):",
+        ("tests/test_cuda_rules.py::test_flash_head_dim_caps_and_the_sm86_to_sm89_training_gap",),
+    ),
+    Mutant(
         "ranks.zero1-optimizer-over-every-parameter",
         "distributed/ranks.py",
         "        if not zero1:\n            return cls(trains, **kw)",
@@ -215,8 +229,8 @@ MUTANTS = [
     Mutant(
         "hf_fit.fit-checked-against-the-whole-device",
         "prediction/fit.py",
-        "failure = allocator_failure(record, rep, dev.usable)",
-        "failure = allocator_failure(record, rep, dev.total)",
+        "limit = dev.usable - (max(0, int(series.sum(axis=1).max())) if series is not None else 0)",
+        "limit = dev.total - (max(0, int(series.sum(axis=1).max())) if series is not None else 0)",
         ("tests/test_hf_fit.py::test_the_report_holds_the_dry_runs_peaks_and_its_verdict_follows_the_device",),
     ),
     Mutant(

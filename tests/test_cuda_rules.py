@@ -6,22 +6,27 @@ import pytest
 import torch
 
 from anatomy_helpers.core.model import ModelConfig
+from anatomy_helpers.prediction import cuda_checks
+from anatomy_helpers.prediction.cuda_checks import CheckRow, CheckRun, checked_text
 from anatomy_helpers.prediction.cuda_rules import (
     CudaRuleError,
     autocast_softmax,
     cublas_workspace_bytes,
+    cublaslt_workspaces,
     cuda_corrections,
     dropout_masks,
-    sdpa_backend,
 )
 from anatomy_helpers.prediction.devices import DEVICES, Device, get_device
 from anatomy_helpers.prediction.dryrun import dry_run_config
 from anatomy_helpers.prediction.fit import will_it_fit
 from anatomy_helpers.prediction.fixes import cheapest_fix
+from anatomy_helpers.prediction.sdpa_rules import minimum_gemm_alignment, sdpa_backend, sdpa_choice
 
 from .conftest import SMALL
 
 B = 4
+LT = 2**20  # cuBLASLt's workspace: CUBLASLT_WORKSPACE_SIZE's default, 1024 KiB (CublasHandlePool.cpp)
+WS = 8_519_680  # cuBLAS's, ":4096:2:16:8" = 4096 KiB x 2 + 16 KiB x 8
 
 
 def _forward_end(report):
@@ -40,15 +45,28 @@ def test_cublas_workspaces_one_in_forward_two_from_backward(device):
     cfg = ModelConfig(**SMALL)
     cpu = will_it_fit(cfg, B, device=DEVICES[device].total)  # a size alone: CPU kernels' rules
     gpu = will_it_fit(cfg, B, device=device)
-    w = 32 * 2**20 if device == "h100" else 8_519_680
-    assert cpu.rules == "CPU kernels" and "cuBLAS workspace" in gpu.rules
-    # an H100 has the H200's compute capability (9.0), on which the rules were checked against a real step
-    assert gpu.rules.endswith("(cuBLASLt)" if device == "h100" else "not yet checked on this GPU")
+    w = 32 * 2**20 if device == "h100" else WS
+    assert cpu.rules == "CPU kernels" and "cuBLAS workspace, cuBLASLt workspace" in gpu.rules
+    # an H100 has the H200's compute capability (9.0), on which a stored GPU run measured the step
+    assert gpu.rules.endswith(checked_text((9, 0)) if device == "h100" else "not yet checked on this GPU")
     assert "rules: CUDA rules from torch source" in gpu.table()
     for c, g in zip(cpu.phases, gpu.phases):
         n = 1 if (c.step, c.phase) == (1, "forward") else 2  # the backward thread's handle adds the second
-        assert g.tensors == c.tensors + n * w
-        assert g.breakdown["kernel_scratch"] == n * w
+        assert g.tensors == c.tensors + n * w + LT  # one cuBLASLt workspace: the forward's Linears with a bias
+        assert g.breakdown["kernel_scratch"] == n * w + LT
+
+
+def test_cublaslt_workspace_where_a_linear_has_a_bias_and_a_second_where_backward_reruns_it():
+    def lt(**changes):
+        cfg = ModelConfig(**SMALL, **changes)
+        trace = dry_run_config(cfg, batch_size=B)
+        starts = {trace.phase(1, "forward").start: "forward", trace.phase(1, "backward").start: "backward"}
+        return [(c.nbytes, starts[c.start], c.end) for c in cublaslt_workspaces(trace, cfg)]
+
+    assert lt() == [(LT, "forward", None)]  # GPT-2 blocks: a Linear with a bias is addmm, cuBLASLt's path; kept
+    assert lt(block="llama") == []  # no biases: no addmm
+    assert lt(checkpoint="selective") == lt(checkpoint="attention") == lt()  # addmm's output kept, or not rerun
+    assert lt(checkpoint="full") == [(LT, "forward", None), (LT, "backward", None)]  # rerun on autograd's thread
 
 
 def test_dropout_masks_become_one_byte_per_element():
@@ -61,7 +79,7 @@ def test_dropout_masks_become_one_byte_per_element():
     assert len(step1) == 3 * L + 1 and sum(c.nbytes for c in step1) == -3 * elements  # fp32 4 B -> bool 1 B
     cpu = will_it_fit(cfg, B, device=DEVICES["a100-80"].total)
     gpu = will_it_fit(cfg, B, device="a100-80")
-    assert _forward_end(gpu) == _forward_end(cpu) - 3 * elements + 8_519_680
+    assert _forward_end(gpu) == _forward_end(cpu) - 3 * elements + WS + LT
     bf16 = ModelConfig(**SMALL, dropout=0.1, dtype="bfloat16")  # 2 B -> 1 B
     step = sum(c.nbytes for c in dropout_masks(dry_run_config(bf16, batch_size=B), bf16))
     assert step == -2 * elements  # two steps of one byte saved per element
@@ -75,13 +93,18 @@ def test_autocast_softmax_is_fp32_on_cuda():
     cpu = will_it_fit(cfg, B, autocast="bfloat16", device=DEVICES["a100-80"].total)
     gpu = will_it_fit(cfg, B, autocast="bfloat16", device="a100-80")
     # CPU: one bf16 tensor (2 B); CUDA: fp32 softmax output (4 B) and a bf16 copy for att @ v (2 B)
-    assert _forward_end(gpu) == _forward_end(cpu) + L * probs * (4 + 2 - 2) + 8_519_680
+    assert _forward_end(gpu) == _forward_end(cpu) + L * probs * (4 + 2 - 2) + WS + LT
     assert "autocast softmax in fp32" in gpu.rules
     with_dropout = ModelConfig(**SMALL, dropout=0.1)  # the bmm saves dropout's bf16 output, as on CPU
     extra = autocast_softmax(dry_run_config(with_dropout, batch_size=B, autocast="bfloat16"), with_dropout, "bfloat16")
     assert sum(c.nbytes for c in extra) == 2 * L * probs * 2  # two steps of (4 - 2) B per element
     with pytest.raises(CudaRuleError, match="bfloat16 model"):
         will_it_fit(ModelConfig(**SMALL, dtype="bfloat16"), B, autocast="bfloat16", device="a100-80")
+
+
+def _heads(d: int, **changes) -> ModelConfig:
+    """A one-layer SDPA model with head dim ``d`` (two heads)."""
+    return ModelConfig(n_layer=1, d_model=2 * d, n_head=2, seq_len=8, attn_impl="sdpa", **changes)
 
 
 def test_sdpa_backend_per_capability_and_dtype():
@@ -95,12 +118,47 @@ def test_sdpa_backend_per_capability_and_dtype():
     assert sdpa_backend(odd, "float16", (7, 5)) == "math"  # fp16 on 7.5: tensor cores, a multiple of 8
 
 
+def test_memory_efficient_alignment_follows_minimum_gemm_alignment():
+    # 4 from 8.0 on, raised to 128 / bits where tensor cores are used (8.0 on; 7.x with 16-bit inputs), else 1
+    expected = {((8, 0), "float32"): 4, ((8, 0), "bfloat16"): 8, ((9, 0), "float16"): 8, ((7, 5), "float16"): 8,
+                ((7, 5), "float32"): 1, ((6, 1), "float16"): 1, ((5, 0), "float32"): 1}  # fmt: skip
+    assert {key: minimum_gemm_alignment(dtype, cap) for (cap, dtype), key in zip(expected, expected)} == expected
+
+
+def test_flash_head_dim_caps_and_the_sm86_to_sm89_training_gap():
+    bf16 = "bfloat16"
+    for cap in ((8, 0), (9, 0)):  # A100, H100/H200: flash up to 256, then memory-efficient (no cap of its own)
+        assert sdpa_backend(_heads(256), bf16, cap) == "flash"
+        assert sdpa_backend(_heads(264), bf16, cap) == "efficient"  # 264 = 33 x 8
+        assert sdpa_backend(_heads(208), bf16, cap) == "flash"  # the (192, 224] gap is 8.6 to 8.9's only
+    l4 = (8, 9)  # an L4 (8.9): flash's backward refuses head dims in (192, 224]
+    assert sdpa_backend(_heads(192), bf16, l4) == "flash" and sdpa_backend(_heads(232), bf16, l4) == "flash"
+    backend, refused = sdpa_choice(_heads(208), bf16, l4)
+    assert backend == "efficient" and "8.9" in refused[0] and "208" in refused[0]
+    assert sdpa_backend(_heads(224), bf16, (8, 6)) == "efficient"  # 224 is in the gap (192, 224]
+    assert sdpa_backend(_heads(232, dropout=0.1), bf16, l4) == "efficient"  # above 224 only without dropout
+    assert sdpa_backend(_heads(232, dropout=0.1), bf16, (8, 0)) == "flash"  # an A100 has no gap
+    assert sdpa_backend(_heads(208), bf16, (12, 0)) == "efficient"  # 12.0 and 12.1 share the gap
+
+
+def test_sdpa_architectures_and_dtypes_outside_the_fused_kernels():
+    assert sdpa_backend(_heads(64, dtype="bfloat16"), None, (7, 5)) == "math"  # efficient takes bf16 from 8.0 on
+    assert sdpa_backend(_heads(64), None, (5, 0)) == "efficient" and sdpa_backend(_heads(64), None, (3, 7)) == "math"
+    backend, refused = sdpa_choice(_heads(64), "bfloat16", (13, 0))  # past 12.1: neither fused kernel is built
+    assert backend == "math" and "12.1" in refused[0] and "12.1" in refused[1]
+    with pytest.raises(CudaRuleError, match="math backend.*bf16 from compute capability 8.0"):
+        will_it_fit(_heads(16, dtype="bfloat16"), 2, device="t4")  # a T4 (7.5) runs bf16 SDPA in math
+    with pytest.raises(CudaRuleError, match="pads head dim 12"):
+        will_it_fit(_heads(12), 2, autocast="bfloat16", device="a100-80")  # flash with a head dim of 12
+    assert "SDPA's efficient backend" in will_it_fit(_heads(12), 2, device="a100-80").rules  # fp32: 12 % 4 == 0
+
+
 def test_sdpa_efficient_pads_the_logsumexp_and_dropout_is_refused():
     cfg = ModelConfig(**{**SMALL, "seq_len": 20}, attn_impl="sdpa")
     cpu = will_it_fit(cfg, B, device=DEVICES["t4"].total)
     gpu = will_it_fit(cfg, B, device="t4")
     pad = 32 - 20  # kAlignLSE: (B, a, s) fp32 rows padded to 32
-    assert _forward_end(gpu) == _forward_end(cpu) + SMALL["n_layer"] * 4 * B * SMALL["n_head"] * pad + 8_519_680
+    assert _forward_end(gpu) == _forward_end(cpu) + SMALL["n_layer"] * 4 * B * SMALL["n_head"] * pad + WS + LT
     assert "SDPA efficient logsumexp" in gpu.rules and "SDPA's efficient backend" in gpu.rules
     flash = will_it_fit(cfg, B, autocast="bfloat16", device="a100-80")  # flash saves what CPU's flash does
     assert "logsumexp" not in flash.rules and "SDPA's flash backend" in flash.rules
@@ -121,6 +179,48 @@ def test_what_no_rule_states_is_refused_and_left_out_of_the_fixes():
     assert names and not {"checkpoint=full", "checkpoint=selective"} & set(names)  # no rule: left out
     # the attention core's recompute has a rule (it is dry-run, not refused); here it saves nothing, so not listed
     will_it_fit(ModelConfig(**SMALL, checkpoint="attention"), B, autocast="bfloat16", device=short)
+
+
+def test_the_checked_sentence_says_what_the_stored_run_measured_above_or_under(monkeypatch):
+    def run(*gaps, simulated=None):
+        rows = tuple(CheckRow(f"row {i}", 100 + g, 100, simulated) for i, g in enumerate(gaps))
+        return CheckRun("src", "what", "NVIDIA X", "2.0", (9, 0), "prediction", rows)
+
+    for gaps, words in (((5.01, 6.01), "5.01 to 6.01 MiB above"), ((-1.5, -0.5), "0.50 to 1.50 MiB under"),
+                        ((-0.5, 2.0), "-0.50 to +2.00 MiB against"), ((2.0,), "2.00 MiB above")):  # fmt: skip
+        monkeypatch.setattr(cuda_checks, "checked_runs", lambda gaps=gaps: (run(*gaps),))
+        text = checked_text((9, 0))
+        assert text == f"checked on an NVIDIA X (torch 2.0): max_memory_allocated {words} the predicted tensors"
+        assert checked_text((8, 0)) == "not yet checked on this GPU"
+    monkeypatch.setattr(cuda_checks, "checked_runs", lambda: (run(3.0, simulated=101.0),))
+    assert checked_text((9, 0)).endswith(
+        "3.00 MiB above the predicted tensors, 2.00 MiB above the simulated allocator's blocks"
+    )
+
+
+def test_the_stored_checks_are_the_stored_gpu_run_and_todays_prediction(tmp_path, monkeypatch):
+    """cuda_checks.json is what scripts/record_cuda_checks.py reads from the stored GPU run (gpu_reference,
+    docs/gpu_outputs) with today's prediction beside it: recorded again here, it must come out the same."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("record_cuda_checks", root / "scripts" / "record_cuda_checks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "CUDA_CHECKS", tmp_path / "cuda_checks.json")
+    assert script.main() == 0
+    assert json.loads((tmp_path / "cuda_checks.json").read_text()) == json.loads(cuda_checks.CUDA_CHECKS.read_text())
+    # the reference's bytes, read here on their own: step 2's max_memory_allocated
+    reference = json.loads((root / "anatomy_helpers/lessons/gpu_reference/first_steps.json").read_text())
+    step2 = next(p["max_allocated"] for p in reference["peaks"] if p["step"] == 2)
+    fresh = next(r for r in cuda_checks.checked_runs() if r.source.endswith("first_steps.json"))
+    assert fresh.rows[1].measured_mib == round(step2 / 2**20, 2)
+    lesson06 = next(r for r in cuda_checks.checked_runs() if r.source.endswith("06_prediction.ipynb"))
+    cpu_rules = will_it_fit(ModelConfig(), 8, implementation="foreach", device=2**40)  # a size: no CUDA rule
+    # after the warm-up the only CUDA rules that change the default step (the workspaces) are already in `before`
+    assert lesson06.rows[0].predicted_mib == round(cpu_rules.peak.tensors / 2**20, 2)
 
 
 def test_a_device_without_capability_has_no_cuda_rules():

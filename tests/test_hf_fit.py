@@ -30,18 +30,39 @@ def runs():
 def test_the_report_holds_the_dry_runs_peaks_and_its_verdict_follows_the_device(runs):
     cfg, traces = runs
     trace = traces[FULL]
-    report = will_it_fit_hf(cfg, FULL, "h100", trace=trace)
+    report = will_it_fit_hf(cfg, FULL, get_device("h100").total, trace=trace)  # a size: the CPU kernels' rules
     for need, (step, phase) in zip(report.phases, STEP_PHASES):
         pk = trace.peak(step=step, phase=phase)
         assert (need.step, need.phase, need.tensors, need.breakdown) == (step, phase, pk.bytes, dict(pk.breakdown))
-    assert report.peak.tensors == trace.peak().bytes and report.fits
-    assert report.rules.startswith("CPU kernels") and "course's GPT only" in report.rules
+    assert report.peak.tensors == trace.peak().bytes and report.fits and report.rules == "CPU kernels"
     context = get_device("h100").context
     reserved = max(p.reserved for p in report.phases)
     just_enough = will_it_fit_hf(cfg, FULL, context + reserved, trace=trace)
     assert just_enough.fits and just_enough.usable == reserved
     too_small = will_it_fit_hf(cfg, FULL, context + trace.peak().bytes - 1, trace=trace)
     assert not too_small.fits and "DOES NOT FIT" in too_small.verdict()
+
+
+def test_on_a_named_gpu_the_cuda_rules_a_hf_model_can_state_are_applied_and_the_rest_named(runs):
+    cfg, traces = runs
+    trace = traces[FULL]
+    cpu = will_it_fit_hf(cfg, FULL, get_device("h100").total, trace=trace)
+    h100 = will_it_fit_hf(cfg, FULL, "h100", trace=trace)  # compute capability 9.0: 32 MiB cuBLAS workspaces
+    ws = 32 * 2**20
+    for c, g in zip(cpu.phases, h100.phases):
+        n = 1 if (c.step, c.phase) == (1, "forward") else 2  # the backward thread's handle adds the second
+        assert g.tensors == c.tensors + n * ws and g.breakdown["kernel_scratch"] == n * ws  # no bias: no cuBLASLt
+    assert h100.rules.startswith("CUDA rules from torch source (cuBLAS workspace)")
+    assert "not applied, the CPU kernels' instead: SDPA's" in h100.rules  # named, not dropped
+    gpt2 = tiny_config("gpt2")  # Conv1D (addmm with a bias) and dropout 0.1 everywhere
+    bf16 = FineTune(dtype="bfloat16")
+    trace2 = dry_run_hf(gpt2, bf16, steps=2)
+    t4 = will_it_fit_hf(gpt2, bf16, "t4", trace=trace2)
+    cpu2 = will_it_fit_hf(gpt2, bf16, get_device("t4").total, trace=trace2)
+    lt, ws = 2**20, 8_519_680  # cuBLASLt's 1024 KiB; cuBLAS's ":4096:2:16:8" on 7.5
+    assert [g.tensors - c.tensors for g, c in zip(t4.phases, cpu2.phases)] == [ws + lt] + [2 * ws + lt] * 5
+    assert "cuBLAS workspace, cuBLASLt workspace" in t4.rules and "dropout masks (transformer.drop" in t4.rules
+    assert "SDPA's math backend" in t4.rules and "it is low" in t4.rules  # bf16 below 8.0: no fused kernel
 
 
 QWEN = tiny_config("qwen2.5-7b")  # the architecture of the shipped 7B (benchmarks/hf_rank_fit.py runs it whole)

@@ -49,7 +49,8 @@ def report_answer(report, device) -> dict:
     return {
         "config": report.label,
         "device": report.device,
-        "capacity_bytes": report.capacity,
+        "capacity_bytes": report.capacity,  # as a process sees it (the fit's figure)
+        "driver_bytes": device.driver_total,  # nvidia-smi's, for a named GPU (None otherwise)
         "usable_bytes": report.usable,
         "compute_capability": None if device.capability is None else ".".join(map(str, device.capability)),
         "rules": report.rules,

@@ -29,6 +29,7 @@ from ..prediction.devices import DEFAULT_GPU
 from ..prediction.dryrun import check_ops
 from ..prediction.fit import FitReport, size_text, trace_fit_report
 from ..prediction.hf import hf_config
+from ..prediction.hf_cuda_rules import hf_cuda_rules
 from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf
 from ..prediction.hf_fixes import LORA_RANK, hf_step_flops
 from ..prediction.hf_step import (
@@ -150,7 +151,10 @@ def will_it_fit_hf(
     label = describe_hf(cfg, fine_tune, model if isinstance(model, str) else None)
     if world_size == 1:
         trace = dry_run_hf(cfg, fine_tune, steps=2) if trace is None else trace
-        return trace_fit_report(trace, label, dev, rules=HF_RULES)
+        if dev.capability is None:  # a size alone: the CPU kernels' rules
+            return trace_fit_report(trace, label, dev)
+        corrections, rules = hf_cuda_rules(trace, cfg, fine_tune, dev)  # CUDA's, applied or named
+        return trace_fit_report(trace, label, dev, rules=rules, corrections=corrections)
     stage = zero or 0
     trace = dry_run_hf_rank(cfg, fine_tune, world_size, stage).result.trace if trace is None else trace
     return trace_fit_report(trace, label, dev, rank_note(trace, world_size, stage), HF_RULES)

@@ -15,11 +15,11 @@ import numpy as np
 from ..core.model import ModelConfig
 from ..core.tables import Col, format_table
 from ..core.units import GiB, MiB, pick_unit
-from ..prediction.cuda_rules import CudaRuleError
-from ..prediction.devices import DEFAULT_GPU, get_device
+from ..prediction.cuda_rules import CudaRuleError, correction_series, cuda_corrections
+from ..prediction.devices import DEFAULT_GPU, Device, get_device
 from ..prediction.dryrun import dry_run_config
 from ..prediction.estimate import estimate_step, impl_of, textbook_estimates
-from ..prediction.fit import STEP_PHASES, describe, will_it_fit
+from ..prediction.fit import STEP_PHASES, describe, dry_run_and_replay, will_it_fit
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..training.train import make_model, make_optimizer, track_steps
@@ -221,3 +221,30 @@ def fit_panel(
     # verdict even where its line is off the scale of the bars
     fig.panel_numbers = (report.capacity, report.usable, report.fits)
     return fig
+
+
+# ---- on a GPU: the prediction against the stored GPU run --------------------------------------------------------
+
+
+def default_step_on_gpu(capability: tuple[int, int], warm: bool) -> list[tuple[int, int]]:
+    """The course's default step (``make_model()`` defaults, batch 8, AdamW foreach: lesson 06's GPU cell and
+    ``scripts/record_gpu_reference.py``) predicted for a GPU of ``capability``: per step (1, 2), (the prediction's
+    peak of tensor bytes, the allocator simulator's peak of allocated bytes), both with CUDA's rules
+    (:mod:`~anatomy_helpers.prediction.cuda_rules`). The simulator counts what ``memory_allocated`` counts: whole
+    blocks, the 512-byte rounding and the large blocks it hands out unsplit (remainder <= 1 MiB). ``warm``: the
+    cuBLAS workspaces exist before the step (lesson 06 runs a warm-up step first), so both leave them out."""
+    cfg = ModelConfig()
+    dev = Device("check", 2**40, tuple(capability))
+    trace, rep = dry_run_and_replay(cfg, 8, "adamw", "foreach", None)
+    made_before = ("cuBLAS workspace", "cuBLASLt workspace") if warm else ()
+    corrections = [c for c in cuda_corrections(trace, cfg, None, dev) if c.rule not in made_before]
+    added = correction_series(trace, corrections).sum(axis=1)
+    n0 = len(trace.baseline_ids)  # the record's first rows are the storages alive at the start
+    out = []
+    for step in (1, 2):
+        first, last = max(trace.phase(step, "forward").start - 1, 0), trace.phase(step, "optimizer").end
+        window = slice(first, last + 1)
+        tensors = trace.timeline.total[window] + added[window]
+        allocated = rep.allocated[n0 + first : n0 + last + 1] + added[window]
+        out.append((int(tensors.max()), int(allocated.max())))
+    return out

@@ -9,15 +9,18 @@ from torch's source (the file and function are in its docstring; torch 2.13-era 
   tensor in the input's dtype.
 * :func:`cublas_workspaces`: cuBLAS keeps one workspace per (handle, stream), allocated through the caching
   allocator and never freed: 8,320 KiB, or 32 MiB on compute capability 9.0.
+* :func:`cublaslt_workspaces`: cuBLASLt, which runs a Linear with a bias (``addmm``), keeps its own 1 MiB per
+  (handle, stream), also never freed.
 * :func:`autocast_softmax`: CUDA autocast runs softmax in fp32 (CPU autocast does not), so the manual attention's
   saved probabilities are fp32 plus a 16-bit copy for ``att @ v``.
-* :func:`sdpa_backend` / :func:`sdpa_correction`: the backend CUDA's ``scaled_dot_product_attention`` picks, and
-  what it saves against the CPU backend's.
+* :func:`sdpa_correction`: what the backend CUDA's ``scaled_dot_product_attention`` picks
+  (:mod:`~anatomy_helpers.prediction.sdpa_rules`: by dtype, head dim and compute capability) saves against the CPU
+  backend's.
 
 What a rule cannot state exactly is refused with :class:`CudaRuleError`, not guessed. The corrections are bytes
 per storage over that storage's lifetime (or from a moment on), so every phase peak is recomputed on the corrected
-timeline. ``scripts/gpu_check.py`` compares it with a real run on a GPU; where that was done, :data:`CHECKED_ON` says
-what it showed.
+timeline. Where a stored GPU run measured a step the rules predict, every prediction for that compute capability says
+what it measured, above the prediction or under it (:func:`~anatomy_helpers.prediction.cuda_checks.checked_text`).
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -35,26 +38,27 @@ from ..core.model import GPT, ModelConfig
 from ..core.units import KiB
 from ..tracking.events import CATEGORIES
 from ..tracking.trace import Trace
+from .cuda_checks import checked_text
 from .devices import Device
+from .sdpa_rules import sdpa_choice
 
 CPU_RULES = "CPU kernels"
 CUDA_RULES = "CUDA rules from torch source ({}), {}"
-NOT_CHECKED = "not yet checked on this GPU"
-#: What a real step showed, per compute capability the rules were checked on (tests/test_cuda_rules.py's real-step
-#: test, which scripts/gpu_check.py runs): the prediction against ``torch.cuda.memory_allocated`` at each phase peak.
-CHECKED_ON = {
-    (9, 0): "checked on an H200 (torch 2.11): 1 to 2 MiB under memory_allocated at each phase peak (cuBLASLt)"
-}
 
 #: cuBLAS workspace per (handle, stream): ``parseChosenWorkspaceSize`` in aten/src/ATen/cuda/CublasHandlePool.cpp
 #: ("`:4096:2:16:8` default, 32MiB for Hopper": 4096 KiB x 2 + 16 KiB x 8, or 4096 KiB x 8 when major == 9 and
 #: minor == 0).
 CUBLAS_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8  # 8,519,680 = 8,320 KiB
 CUBLAS_WORKSPACE_SM90 = 4096 * KiB * 8  # 33,554,432 = 32 MiB
+#: cuBLASLt's workspace per (handle, stream): ``getCUDABlasLtWorkspaceSize`` in CublasHandlePool.cpp
+#: (``CUBLASLT_WORKSPACE_SIZE`` KiB, 1024 by default, capped at the cuBLAS workspace, which is larger on every GPU).
+CUBLASLT_WORKSPACE = 1024 * KiB
 
 #: Memory-efficient attention's logsumexp rows are padded to a multiple of this (``kAlignLSE`` in
 #: aten/src/ATen/native/transformers/cuda/attention.cu, ``_efficient_attention_forward``).
 EFFICIENT_LSE_ALIGN = 32
+#: Flash pads a head dim that is not a multiple of this (``mha_fwd`` in flash_attn/flash_api.cpp pads q, k, v).
+FLASH_HEAD_DIM_MULTIPLE = 8
 
 
 class CudaRuleError(ValueError):
@@ -131,8 +135,8 @@ def cublas_workspaces(trace: Trace, capability: tuple[int, int]) -> list[Correct
     (``Engine::start_device_threads``, torch/csrc/autograd/engine.cpp), whose pool window reserves a second handle
     while the first thread keeps its own: two pairs on the default stream. Put in ``kernel_scratch``: library
     memory no op returns. Stated approximation: the first workspace is counted from the forward's first sample
-    (the first matmul comes a few ops later, far from any peak). Not counted: cuBLASLt's separate 1 MiB workspace
-    per pair (``getCUDABlasLtWorkspace``), used only by the matmuls torch routes through cuBLASLt.
+    (the first matmul comes a few ops later, far from any peak). cuBLASLt's own workspace is
+    :func:`cublaslt_workspaces`.
     """
     nbytes = cublas_workspace_bytes(capability)
     forward, backward = trace.phase(1, "forward").start, trace.phase(1, "backward").start
@@ -140,6 +144,32 @@ def cublas_workspaces(trace: Trace, capability: tuple[int, int]) -> list[Correct
         Correction("cuBLAS workspace", "kernel_scratch", nbytes, forward),
         Correction("cuBLAS workspace", "kernel_scratch", nbytes, backward),
     ]
+
+
+def cublaslt_workspaces(trace: Trace, cfg: ModelConfig) -> list[Correction]:
+    """cuBLASLt's workspace (:data:`CUBLASLT_WORKSPACE`) from step 1's forward on, where a Linear with a bias runs;
+    a second from step 1's backward on where the policy runs those Linears again in backward; never freed.
+
+    A Linear with a bias is ``addmm`` (``linear`` flattens a contiguous 3-D input to 2-D); CUDA's
+    ``addmm_out_cuda_impl`` (aten/src/ATen/native/cuda/Blas.cpp) takes the cuBLASLt path where
+    ``isInputCompliesAddmmCudaLt`` holds (a 1-D bias, beta 1, both matrices more than one row and column; not
+    disabled by ``DISABLE_ADDMM_CUDA_LT=1``), and ``gemm_and_bias`` (CUDABlas.cpp) asks ``getCUDABlasLtWorkspace``
+    (CublasHandlePool.cpp) for its workspace: allocated through the caching allocator the first time a (handle,
+    stream) pair asks, kept in ``cublaslt_handle_stream_to_workspace`` (shared with cuBLAS's only under
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``). The GPT-2 block's Linears have biases (the Llama block's do not);
+    ``full`` and ``every_k`` run whole blocks again on autograd's thread, with its own handle. Counted from the
+    forward's first sample, as :func:`cublas_workspaces` counts its own.
+    """
+    if cfg.block != "gpt2" or min(cfg.seq_len, cfg.d_model) < 2:
+        return []
+    return cublaslt_threads(trace, 2 if cfg.checkpoint in ("full", "every_k") else 1)
+
+
+def cublaslt_threads(trace: Trace, threads: int) -> list[Correction]:
+    """:data:`CUBLASLT_WORKSPACE` for the forward's thread from step 1's forward on, and (``threads == 2``) for
+    autograd's thread from step 1's backward on (see :func:`cublaslt_workspaces`)."""
+    starts = [trace.phase(1, phase).start for phase in ("forward", "backward")[:threads]]
+    return [Correction("cuBLASLt workspace", "kernel_scratch", CUBLASLT_WORKSPACE, start) for start in starts]
 
 
 def autocast_softmax(trace: Trace, cfg: ModelConfig, autocast: str | None) -> list[Correction]:
@@ -189,28 +219,6 @@ def autocast_softmax(trace: Trace, cfg: ModelConfig, autocast: str | None) -> li
     return out
 
 
-def sdpa_backend(cfg: ModelConfig, autocast: str | None, capability: tuple[int, int]) -> str:
-    """The backend CUDA's ``scaled_dot_product_attention`` picks for the course model: "flash", "efficient" or
-    "math", from aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: ``priority_order`` tries flash, then
-    memory-efficient, then math. Flash needs fp16/bf16 inputs (``check_dtypes_low_precision``; under autocast SDPA
-    is a lower-precision op), compute capability 8.0 or more (``check_flash_attention_hardware_support``) and one
-    head width of at most 256 (``check_head_dim_size_flash``); memory-efficient attention takes fp32 too, from
-    capability 5.0, with the head width a multiple of ``minimum_gemm_alignment``: 4 from 8.0 on, raised to 8 for
-    16-bit inputs where tensor cores are used (8.0 on, or 7.x with 16-bit inputs), else 1. Both take dropout and
-    ``is_causal``. Newer sources may prefer cuDNN attention from 9.0 on (``check_prefer_cudnn_attention``): it saves
-    (B, a, s, 1) fp32 statistics, the same bytes as flash's logsumexp.
-    """
-    low = autocast is not None or cfg.dtype == "bfloat16"
-    cap, d = tuple(capability), cfg.head_dim
-    if low and cap >= (8, 0) and d <= 256:
-        return "flash"
-    tensor_cores = cap >= (8, 0) or (cap >= (7, 0) and low)
-    align = max(4 if cap >= (8, 0) else 1, (8 if low else 4) if tensor_cores else 1)
-    if cap >= (5, 0) and d % align == 0:
-        return "efficient"
-    return "math"
-
-
 def sdpa_correction(trace: Trace, cfg: ModelConfig, autocast: str | None, capability) -> list[Correction]:
     """What CUDA's SDPA backend saves against the CPU's, for ``attn_impl="sdpa"``.
 
@@ -221,18 +229,25 @@ def sdpa_correction(trace: Trace, cfg: ModelConfig, autocast: str | None, capabi
     dimension to a multiple of :data:`EFFICIENT_LSE_ALIGN`: that padding is the correction. Refused: dropout (the
     CPU's sdp_utils_cpp.cpp refuses flash with dropout and runs the math backend, which saves the (B, a, s, s)
     probabilities and noise, while CUDA's flash/efficient kernels save a philox seed and offset: no stated
-    mapping here), the math backend on CUDA, and head widths CUDA would pad (``mha_fwd`` pads to a multiple of 8).
+    mapping here), the math backend on CUDA (:func:`~anatomy_helpers.prediction.sdpa_rules.sdpa_choice` says why
+    flash and memory-efficient attention were refused), and flash with a head dim that is not a multiple of
+    :data:`FLASH_HEAD_DIM_MULTIPLE` (``mha_fwd`` pads q, k and v: copies not modelled).
     """
     if cfg.attn_impl != "sdpa":
         return []
-    backend = sdpa_backend(cfg, autocast, capability)
+    backend, refused = sdpa_choice(cfg, autocast, capability)
     if cfg.dropout:
         raise CudaRuleError(
             "attn_impl='sdpa' with dropout: CPU runs SDPA's math backend (it saves the attention probabilities), "
             f"CUDA its {backend} kernel (it saves a random seed instead); no rule here maps one onto the other"
         )
     if backend == "math":
-        raise CudaRuleError(f"CUDA would run SDPA's math backend for head width {cfg.head_dim}: not modelled")
+        raise CudaRuleError(f"CUDA would run SDPA's math backend ({'; '.join(refused)}): what it saves is not modelled")
+    if backend == "flash" and cfg.head_dim % FLASH_HEAD_DIM_MULTIPLE:
+        raise CudaRuleError(
+            f"CUDA's flash attention pads head dim {cfg.head_dim} to a multiple of {FLASH_HEAD_DIM_MULTIPLE} (copies "
+            "of q, k and v): not modelled"
+        )
     if backend == "flash":
         return []
     out = []
@@ -258,6 +273,7 @@ def cuda_corrections(trace: Trace, cfg: ModelConfig, autocast: str | None, devic
     return [
         *dropout_masks(trace, cfg),
         *cublas_workspaces(trace, device.capability),
+        *cublaslt_workspaces(trace, cfg),
         *autocast_softmax(trace, cfg, autocast),
         *sdpa_correction(trace, cfg, autocast, device.capability),
     ]
@@ -267,15 +283,14 @@ def rules_text(
     corrections: list[Correction] | None, sdpa: str | None = None, capability: tuple[int, int] | None = None
 ) -> str:
     """The rules line of a prediction: "CPU kernels" (None) or the CUDA rules that changed something, the SDPA
-    backend CUDA would run (``sdpa``, from :func:`sdpa_backend`) where the model uses SDPA, and whether the rules were
-    checked on a GPU of this ``capability`` (:data:`CHECKED_ON`)."""
+    backend CUDA would run (``sdpa``, from ``sdpa_rules.sdpa_backend``) where the model uses SDPA, and what the
+    stored GPU runs of this ``capability`` measured against the prediction (``cuda_checks.checked_text``)."""
     if corrections is None:
         return CPU_RULES
     used = list(dict.fromkeys(c.rule for c in corrections if c.nbytes))
     if sdpa is not None:
         used.append(f"SDPA's {sdpa} backend")
-    checked = CHECKED_ON.get(tuple(capability), NOT_CHECKED) if capability is not None else NOT_CHECKED
-    return CUDA_RULES.format(", ".join(used) or "none changed this step", checked)
+    return CUDA_RULES.format(", ".join(used) or "none changed this step", checked_text(capability))
 
 
 def correction_series(trace: Trace, corrections: list[Correction]) -> np.ndarray:
@@ -298,9 +313,9 @@ def corrected_peak(trace: Trace, series: np.ndarray, step: int, phase: str) -> t
 
 
 __all__ = [
-    "CHECKED_ON",
     "CUBLAS_WORKSPACE",
     "CUBLAS_WORKSPACE_SM90",
+    "CUBLASLT_WORKSPACE",
     "Correction",
     "CudaRuleError",
     "autocast_softmax",
@@ -308,9 +323,10 @@ __all__ = [
     "correction_series",
     "cublas_workspace_bytes",
     "cublas_workspaces",
+    "cublaslt_threads",
+    "cublaslt_workspaces",
     "cuda_corrections",
     "dropout_masks",
     "rules_text",
-    "sdpa_backend",
     "sdpa_correction",
 ]

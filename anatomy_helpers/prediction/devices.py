@@ -1,9 +1,13 @@
-"""The GPUs a prediction can name: their memory as the driver reports it, their compute capability, and what is
-left for tensors once the CUDA context has taken its share. Used by :mod:`anatomy_helpers.prediction.fit` and the CLI.
+"""The GPUs a prediction can name: their memory as the driver reports it and as a process sees it, their compute
+capability, and what is left for tensors once the CUDA context has taken its share. Used by
+:mod:`anatomy_helpers.prediction.fit` and the CLI.
 
-Capacities are the totals ``nvidia-smi`` reports (MiB of 2**20 bytes), which is what a training process can ask
-the driver for; the product pages' "16 GB" or "80 GB" are marketing figures, neither 10**9 nor 2**30 bytes
-(an "80 GB" A100 reports 81,920 MiB, an "80 GB" H100 81,559 MiB). Sources in docs/references.md.
+Two totals per GPU (MiB of 2**20 bytes), each with where it comes from (:class:`Capacity`; sources in
+docs/references.md): the driver's (``nvidia-smi``'s ``memory.total``) and the smaller one a process sees
+(``torch.cuda.get_device_properties().total_memory``, CUDA's ``totalGlobalMem``: the total of ``cudaMemGetInfo``),
+0.25 to 0.7 GiB less. A process can never allocate more than the second, so a fit uses it; where public logs
+give several figures for one GPU (drivers differ), the lowest. The product pages' "16 GB" or "80 GB" are marketing
+figures, neither 10**9 nor 2**30 bytes (an "80 GB" A100 reports 81,920 MiB, an "80 GB" H100 81,559 MiB).
 
 Bytes everywhere unless a name says otherwise.
 """
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.tables import Col, format_table
 from ..core.units import GiB, MiB
 
 #: Our allowance for the CUDA context: the driver's state, the kernels' code and the libraries' handles, which
@@ -31,15 +36,58 @@ BF16_NATIVE_FROM = (8, 0)
 
 
 @dataclass(frozen=True)
+class Capacity:
+    """A GPU's memory as two sources give it, MiB: ``driver_mib`` (``nvidia-smi``'s ``memory.total``) and
+    ``process_mib``, every figure of ``torch.cuda.get_device_properties().total_memory`` (or deviceQuery's
+    ``totalGlobalMem``, the same field) found in public logs, lowest first; ``*_source`` says where each is from."""
+
+    driver_mib: int
+    driver_source: str
+    process_mib: tuple[int, ...]
+    process_source: str
+
+    def __post_init__(self):
+        if not self.process_mib or list(self.process_mib) != sorted(self.process_mib):
+            raise ValueError(f"process_mib must be one or more figures, lowest first, got {self.process_mib}")
+        if self.process_mib[-1] > self.driver_mib:
+            raise ValueError(f"a process cannot see more than the driver's {self.driver_mib} MiB: {self.process_mib}")
+
+    @property
+    def process_total(self) -> int:
+        """Bytes a process sees: the lowest figure found (the conservative one where they differ)."""
+        return self.process_mib[0] * MiB
+
+    def note(self) -> str:
+        """Which total a fit uses, in words (MiB)."""
+        low, high = self.process_mib[0], self.process_mib[-1]
+        seen = f"{low:,} MiB" if low == high else f"the lowest of {low:,} to {high:,} MiB"
+        return f"(as a process sees it: {seen} in public logs; nvidia-smi says {self.driver_mib:,} MiB)"
+
+
+@dataclass(frozen=True)
 class Device:
-    """A GPU to predict for: ``total`` bytes as the driver reports them, and its compute capability (None when
-    only a size was given). ``context`` is what the CUDA context is allowed (or measured) to take."""
+    """A GPU to predict for: ``total`` bytes as a process sees them (what ``torch.cuda.mem_get_info`` reports as
+    the total, less than the driver's ``nvidia-smi`` figure; for a size given by hand, that size), and its compute
+    capability (None when only a size was given). ``context`` is what the CUDA context is allowed (or measured) to
+    take. ``capacity``: both totals and their sources, for the named GPUs (None otherwise)."""
 
     name: str
     total: int
     capability: tuple[int, int] | None = None
     context: int = CUDA_CONTEXT_BYTES
     context_measured: bool = False  # True for "this GPU": measured as total - free - PyTorch's reserved bytes
+    capacity: Capacity | None = None
+
+    @property
+    def driver_total(self) -> int | None:
+        """Bytes ``nvidia-smi`` reports, where known (a named GPU)."""
+        return None if self.capacity is None else self.capacity.driver_mib * MiB
+
+    def total_note(self) -> str:
+        """Which total ``total`` is, in words: a named GPU's (:meth:`Capacity.note`), "this GPU"'s or a size's."""
+        if self.capacity is not None:
+            return self.capacity.note()
+        return "(as this process sees it: mem_get_info)" if self.name.startswith(THIS_GPU) else ""
 
     @property
     def usable(self) -> int:
@@ -61,32 +109,55 @@ class Device:
         return "CUDA context (measured)" if self.context_measured else "CUDA context (assumed)"
 
 
-def _nvidia(name: str, mib: int, capability: tuple[int, int]) -> Device:
-    return Device(name, mib * MiB, capability)
+THIS_GPU = "this GPU"
+
+#: Where each total comes from, in short (the sources themselves are in docs/references.md, "GPUs").
+SMI = "modal-client PR 2797"  # nvidia-smi's memory.total per GPU, listed in a public pull request
+SMI_LOGS = "nvidia-smi logs"  # nvidia-smi's table printed in public logs
+PROPS = "get_device_properties logs"  # torch.cuda.get_device_properties(0) printed in public logs
+DEVICE_QUERY = "deviceQuery logs"  # CUDA's deviceQuery sample (totalGlobalMem) printed in public logs
 
 
-#: The devices known by short name: MiB totals as nvidia-smi reports them, compute capabilities from NVIDIA's
-#: CUDA GPUs page (docs/references.md).
+def _nvidia(name: str, capability: tuple[int, int], capacity: Capacity) -> Device:
+    return Device(name, capacity.process_total, capability, capacity=capacity)
+
+
+#: The devices known by short name: both totals (:class:`Capacity`; a fit uses what a process sees), compute
+#: capabilities from NVIDIA's CUDA GPUs page (docs/references.md).
 DEVICES: dict[str, Device] = {
-    "t4": _nvidia("T4", 15_360, (7, 5)),
-    "l4": _nvidia("L4", 23_034, (8, 9)),
-    "a100-40": _nvidia("A100 40GB", 40_960, (8, 0)),
-    "a100-80": _nvidia("A100 80GB", 81_920, (8, 0)),
-    "h100": _nvidia("H100 80GB HBM3", 81_559, (9, 0)),
-    "h200": _nvidia("H200", 143_771, (9, 0)),
+    "t4": _nvidia("T4", (7, 5), Capacity(15_360, SMI, (14_930, 15_079, 15_095, 15_102, 15_109), PROPS)),
+    "l4": _nvidia("L4", (8, 9), Capacity(23_034, SMI, (22_518,), DEVICE_QUERY)),
+    "a100-40": _nvidia("A100 40GB", (8, 0), Capacity(40_960, SMI, (40_339, 40_536), f"{DEVICE_QUERY[:-5]}, {PROPS}")),
+    "a100-80": _nvidia("A100 80GB", (8, 0), Capacity(81_920, SMI, (81_221,), DEVICE_QUERY)),
+    "h100": _nvidia("H100 80GB HBM3", (9, 0), Capacity(81_559, SMI, (81_082, 81_089, 81_090), PROPS)),
+    "h200": _nvidia("H200", (9, 0), Capacity(143_771, SMI_LOGS, (143_156,), PROPS)),
 }
 
 #: The GPU a prediction is for when none is named (both ``predict`` commands, the will-it-fit functions, the
 #: panels): a free Colab runtime's T4, what a learner has.
 DEFAULT_GPU = "t4"
 
-THIS_GPU = "this GPU"
+
+def capacity_table() -> str:
+    """The named GPUs' two totals (MiB) with where each comes from, the one a fit uses, and the compute capability,
+    as a text table."""
+    cols = [Col("device", 8, align="<"), Col("nvidia-smi", 10, ",d"), Col("from", 20, align="<")]
+    cols += [Col("a process sees", 14, align=">"), Col("from", 38, align="<"), Col("fit uses", 8, ",d")]
+    cols += [Col("compute", 7, align=">")]
+    rows = []
+    for key, dev in DEVICES.items():
+        c = dev.capacity
+        seen = f"{c.process_mib[0]:,}" if len(c.process_mib) == 1 else f"{c.process_mib[0]:,}-{c.process_mib[-1]:,}"
+        major, minor = dev.capability
+        rows.append((key, c.driver_mib, c.driver_source, seen, c.process_source, dev.total // MiB, f"{major}.{minor}"))
+    return format_table(cols, rows, note="(MiB; a fit uses the lowest figure a process was seen with)")
 
 
 def this_gpu() -> Device:
-    """The CUDA device in use: its total from ``torch.cuda.mem_get_info``, its compute capability, and the memory
-    already taken outside PyTorch's allocator (``total - free - memory_reserved``: the context, and any other
-    process), or :data:`CUDA_CONTEXT_BYTES` if that is larger (the context grows when cuBLAS starts)."""
+    """The CUDA device in use: its total from ``torch.cuda.mem_get_info`` (what this process sees), its compute
+    capability, and the memory already taken outside PyTorch's allocator (``total - free - memory_reserved``: the
+    context, and any other process), or :data:`CUDA_CONTEXT_BYTES` if that is larger (the context grows when cuBLAS
+    starts)."""
     if not torch.cuda.is_available():
         raise ValueError(f"device {THIS_GPU!r} needs CUDA, which is not available here; name a device instead")
     index = torch.cuda.current_device()
@@ -104,7 +175,7 @@ def device_names() -> tuple[str, ...]:
 
 def get_device(device: str | int | Device) -> Device:
     """A :class:`Device` from a short name (``"t4"``, ``"a100-80"`` ...), ``"this GPU"``, a number of bytes (a
-    device of that total size, compute capability unknown) or a Device. Anything else is a ValueError."""
+    device whose process sees that total, compute capability unknown) or a Device. Anything else is a ValueError."""
     if isinstance(device, Device):
         return device
     if isinstance(device, str):

@@ -3,7 +3,7 @@ machine's CPU with dry runs (:mod:`anatomy_helpers.prediction.dryrun`: the track
 category but kernel scratch), so it works for models far larger than the machine. Lesson 06 teaches it and the CLI's
 ``predict`` command prints it; the ranked fixes are in :mod:`anatomy_helpers.prediction.fixes`.
 
-The devices, their memory as the driver reports it and the CUDA context's share, are in
+The devices, their memory as a process sees it (below the driver's figure) and the CUDA context's share, are in
 :mod:`anatomy_helpers.prediction.devices`. The **caching allocator** rounds requests and keeps segments, so it reserves
 more than the tensors need: we replay the dry run's allocation record through the allocator simulator
 (:func:`anatomy_helpers.prediction.allocator.replay`), a simulation of the allocator's rules, not a measurement.
@@ -11,7 +11,8 @@ more than the tensors need: we replay the dry run's allocation record through th
 The dry run follows the CPU kernels' rules (what autograd saves, autocast's op lists). For a GPU with a known
 compute capability the phase needs are corrected by CUDA's rules from torch's source
 (:mod:`anatomy_helpers.prediction.cuda_rules`: dropout masks, cuBLAS workspaces, autocast's fp32 softmax, SDPA's
-backend), checked against a real step only where ``cuda_rules.CHECKED_ON`` says so (an H200 so far); a device given
+backend); each report says what a stored GPU run of that compute capability measured against it
+(``cuda_rules.checked_text``: an H200 so far); a device given
 only by its size keeps the CPU kernels' rules. Each report says which.
 
 Bytes everywhere unless a name says otherwise.
@@ -32,9 +33,10 @@ from ..tracking.trace import Trace
 from ..training.step import AUTOCAST_CHOICES
 from ..training.train import OPTIMIZER_NAMES
 from .allocator import replay, replay_with_limit
-from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
+from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text
 from .devices import DEFAULT_GPU, Device, get_device
 from .dryrun import dry_run_config
+from .sdpa_rules import sdpa_backend
 
 #: Optimizer implementations and the (foreach, fused) flags that pick them.
 IMPLEMENTATION_FLAGS = {"single": (False, None), "foreach": (True, None), "fused": (None, True)}
@@ -71,7 +73,7 @@ class FitReport:
 
     label: str
     device: str  # the device's name
-    capacity: int  # its total memory, as the driver reports it
+    capacity: int  # its total memory, as a process sees it (devices.Device.total)
     usable: int  # capacity - the CUDA context's share
     phases: tuple[PhaseNeed, ...]  # step 1 and step 2, forward / backward / optimizer, in time order
     failure: tuple[int, str] | None  # (step, phase) where the capped simulated allocator ran out, or None
@@ -79,6 +81,7 @@ class FitReport:
     note: str = ""
     context_note: str = "CUDA context (assumed)"
     rules: str = CPU_RULES  # which device rules the phase needs follow (see cuda_rules.rules_text)
+    capacity_note: str = ""  # which total ``capacity`` is (devices.Device.total_note)
 
     @property
     def fits(self) -> bool:
@@ -126,6 +129,7 @@ class FitReport:
         footer = [
             f"rules: {self.rules}",
             f"usable on {self.device}: {size_text(self.usable)} = {size_text(self.capacity)} "
+            f"{self.capacity_note + ' ' if self.capacity_note else ''}"
             f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}",
             self.verdict(),
         ]
@@ -385,16 +389,23 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     needs = phase_needs(trace, extra, rep, series)
     return FitReport(
         label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note(),
-        rules_text(corrections, sdpa, dev.capability),
+        rules_text(corrections, sdpa, dev.capability), dev.total_note(),
     )  # fmt: skip
 
 
-def trace_fit_report(trace: Trace, label: str, dev: Device, note: str = "", rules: str = CPU_RULES) -> FitReport:
+def trace_fit_report(
+    trace: Trace, label: str, dev: Device, note: str = "", rules: str = CPU_RULES, corrections: list | None = None
+) -> FitReport:
     """``trace`` (two steps: a dry run of one device's step, or of one rank's) replayed through the allocator
     simulator under ``dev``'s usable memory, as a :class:`FitReport` labelled ``label``, its phase needs following
-    ``rules`` (no CUDA correction applied: a Hugging Face model's step, a rank's)."""
+    ``rules``: ``corrections`` (``cuda_rules.Correction``, a Hugging Face model's on one GPU:
+    ``hf_cuda_rules.hf_cuda_rules``) are added as :func:`fit_run` adds the course GPT's; none for a rank's."""
     record = trace.allocation_record()
     rep = replay(record)
-    failure = allocator_failure(record, rep, dev.usable)
-    needs = phase_needs(trace, None, rep)
-    return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), rules)
+    series = correction_series(trace, corrections) if corrections else None
+    limit = dev.usable - (max(0, int(series.sum(axis=1).max())) if series is not None else 0)
+    failure = allocator_failure(record, rep, limit)
+    needs = phase_needs(trace, None, rep, series)
+    return FitReport(
+        label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), rules, dev.total_note()
+    )

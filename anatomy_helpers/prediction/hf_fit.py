@@ -9,9 +9,11 @@ on fake tensors, byte for byte the tracked real step, micro-batches included), i
 the caching-allocator simulator capped at the device's usable memory, and the same
 :class:`~anatomy_helpers.prediction.fit.FitReport`. One difference, and one thing found elsewhere:
 
-* **Device rules.** The CUDA rules of :mod:`anatomy_helpers.prediction.cuda_rules` (dropout masks, cuBLAS
-  workspaces, autocast's softmax, SDPA's backend) are stated for the course's GPT, op by op. For a Hugging Face
-  model the phase needs follow the CPU kernels' rules, as for a device given by its size; the report says so.
+* **Device rules.** The CUDA rules of :mod:`anatomy_helpers.prediction.cuda_rules` (dropout masks, cuBLAS and
+  cuBLASLt workspaces, autocast's softmax, SDPA's backend) are stated for the course's GPT, op by op. On one named
+  GPU, :mod:`anatomy_helpers.prediction.hf_cuda_rules` applies those that can be stated for a Hugging Face
+  architecture and names the rest in the report's rules line; per rank the phase needs follow the CPU kernels'
+  rules (:data:`HF_RULES`), as the course GPT's ranks do.
 * **Data parallelism**: per rank under DDP or ZeRO, :func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf`
   dry-runs one rank of the sharded step on torch's fake process group, the engine lesson 08's per-rank tables run,
   and reports it through :func:`~anatomy_helpers.prediction.fit.trace_fit_report` too.
@@ -28,7 +30,8 @@ from .hf_step import FineTune
 
 #: The model states (a trace's categories).
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
-HF_RULES = f"{CPU_RULES} (cuda_rules.py states CUDA's rules for the course's GPT only, not for Hugging Face models)"
+#: The rules of a Hugging Face model's rank: its dry run is on CPU kernels (hf_cuda_rules.py: one device only).
+HF_RULES = f"{CPU_RULES} (per rank: CUDA's rules are applied to one device's Hugging Face step only)"
 
 
 def describe_hf(cfg, ft: FineTune, name: str | None = None) -> str:
