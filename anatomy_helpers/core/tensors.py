@@ -89,3 +89,17 @@ def state_bytes_by_key(optimizer: torch.optim.Optimizer, device: torch.device | 
             if isinstance(v, torch.Tensor):
                 out[key] = out.get(key, 0) + storage_bytes([v], device)
     return out
+
+
+def sparse_gradient_modules(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s modules whose weight gets a sparse gradient (``nn.Embedding(..., sparse=True)``,
+    ``nn.EmbeddingBag(..., sparse=True)``; ``model`` itself: its class name).
+
+    Such a gradient is a sparse COO tensor: its bytes are an indices and a values tensor held inside it, not a
+    strided storage, and their number depends on how many rows the batch looked up.
+    """
+    return [
+        f"{name or type(model).__name__} ({type(m).__name__}(sparse=True))"
+        for name, m in model.named_modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+    ]

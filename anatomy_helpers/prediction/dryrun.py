@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import (
 from ..core.checks import one_of, positive_int
 from ..core.interrupts import DeferredInterrupt
 from ..core.model import GPT, ModelConfig
+from ..core.tensors import sparse_gradient_modules
 from ..tracking.compiled import CompiledCodeError, compiled_modules
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
@@ -152,7 +153,7 @@ def build_fake_model(
     """``model_factory()`` built on the meta device (no memory), then made fake on ``device``.
 
     Refused (:class:`DryRunError`, before anything runs): a model that is or holds a ``torch.compile``d module
-    (:data:`COMPILED_REASON`)."""
+    (:data:`COMPILED_REASON`), or a module whose weight gets a sparse gradient (``nn.Embedding(sparse=True)``)."""
     with torch.device("meta"):
         model = model_factory()
     if not isinstance(model, nn.Module):
@@ -160,6 +161,15 @@ def build_fake_model(
     compiled = compiled_modules(model)
     if compiled:  # before anything runs: see COMPILED_REASON
         raise refuse_compiled(", ".join(compiled))
+    sparse = sparse_gradient_modules(model)
+    if sparse:
+        raise DryRunError(
+            f"{', '.join(sparse)} gets a sparse gradient, so a dry run is refused: a sparse gradient's bytes are the "
+            "indices and values tensors inside it, which the tracker does not count (it counts strided storages), "
+            "and their rows follow the batch's values (padding tokens left out; an optimizer coalesces them to the "
+            "distinct rows looked up), which a dry run does not have. Dry-run it with sparse=False (a dense "
+            "gradient of the whole table)"
+        )
     if next(iter(model.parameters()), None) is None:
         raise DryRunError(f"{type(model).__name__} has no parameters: there is no training step to dry-run")
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -293,6 +303,13 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
             f"{who} reads tensor values during the step ({e.func if hasattr(e, 'func') else e}): "
             "a dry run has shapes but no values, so it cannot run code that branches on data or whose output "
             "shape depends on it (.item(), .tolist(), nonzero, boolean masks)"
+        ) from e
+    except NotImplementedError as e:
+        if "Cannot access storage of" not in str(e):
+            raise
+        raise DryRunError(
+            f"the step makes a tensor that has no storage ({e}: a sparse or other non-strided layout), whose bytes "
+            "a dry run cannot see; every tensor of a dry-run step must be strided (no sparse gradients or ops)"
         ) from e
     except (RuntimeError, AssertionError) as e:
         if "FakeTensor" in str(e):

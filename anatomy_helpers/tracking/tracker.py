@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..core import checkpointing
 from ..core.checks import positive_number
 from ..core.interrupts import DeferredInterrupt
-from ..core.tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs, optimizer_state_tensors
+from ..core.tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs, optimizer_state_tensors, sparse_gradient_modules
 from .compiled import CompiledCodeError, compiled_function, compiled_modules, refuse_compiled_code
 from .events import (
     ACTIVATIONS,
@@ -178,6 +178,13 @@ class StepTracker(Recorder):
         compiled = compiled_modules(model)
         if compiled:
             raise CompiledCodeError(", ".join(compiled))
+        sparse = sparse_gradient_modules(model)
+        if sparse:
+            raise ValueError(
+                f"{', '.join(sparse)} gets a sparse gradient, which the tracker cannot count: it counts strided "
+                "storages, and a sparse gradient's bytes are the indices and values tensors inside it. Track the "
+                "model with sparse=False (a dense gradient of the whole table)"
+            )
         first = next(iter(model.parameters()), None)
         super().__init__(
             first.device if first is not None else torch.device("cpu"), budget_bytes=budget_bytes, accumulate=accumulate
