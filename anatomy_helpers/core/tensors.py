@@ -91,6 +91,14 @@ def state_bytes_by_key(optimizer: torch.optim.Optimizer, device: torch.device | 
     return out
 
 
+#: Why a sparse gradient is refused where memory is watched or predicted (the tracker, dry runs).
+SPARSE_GRADIENT_REASON = (
+    "a sparse gradient's bytes are the indices and values tensors inside it, not a strided storage the tracker "
+    "counts, and their rows follow the batch's values (padding tokens left out; an optimizer coalesces them to the "
+    "distinct rows looked up). Use sparse=False (a dense gradient of the whole table)"
+)
+
+
 def sparse_gradient_modules(model: torch.nn.Module) -> list[str]:
     """The names of ``model``'s modules whose weight gets a sparse gradient (``nn.Embedding(..., sparse=True)``,
     ``nn.EmbeddingBag(..., sparse=True)``; ``model`` itself: its class name).

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import (
 from ..core.checks import one_of, positive_int
 from ..core.interrupts import DeferredInterrupt
 from ..core.model import GPT, ModelConfig
-from ..core.tensors import sparse_gradient_modules
+from ..core.tensors import SPARSE_GRADIENT_REASON, sparse_gradient_modules
 from ..tracking.compiled import CompiledCodeError, compiled_modules
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
@@ -164,11 +164,7 @@ def build_fake_model(
     sparse = sparse_gradient_modules(model)
     if sparse:
         raise DryRunError(
-            f"{', '.join(sparse)} gets a sparse gradient, so a dry run is refused: a sparse gradient's bytes are the "
-            "indices and values tensors inside it, which the tracker does not count (it counts strided storages), "
-            "and their rows follow the batch's values (padding tokens left out; an optimizer coalesces them to the "
-            "distinct rows looked up), which a dry run does not have. Dry-run it with sparse=False (a dense "
-            "gradient of the whole table)"
+            f"{', '.join(sparse)} gets a sparse gradient, so a dry run is refused: {SPARSE_GRADIENT_REASON}"
         )
     if next(iter(model.parameters()), None) is None:
         raise DryRunError(f"{type(model).__name__} has no parameters: there is no training step to dry-run")

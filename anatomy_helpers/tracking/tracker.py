@@ -45,7 +45,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..core import checkpointing
 from ..core.checks import positive_number
 from ..core.interrupts import DeferredInterrupt
-from ..core.tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs, optimizer_state_tensors, sparse_gradient_modules
+from ..core.tensors import (
+    ALLOCATES,
+    IN_PLACE,
+    SPARSE_GRADIENT_REASON,
+    VIEWS,
+    op_outputs,
+    optimizer_state_tensors,
+    sparse_gradient_modules,
+)
 from .compiled import CompiledCodeError, compiled_function, compiled_modules, refuse_compiled_code
 from .events import (
     ACTIVATIONS,
@@ -181,9 +189,7 @@ class StepTracker(Recorder):
         sparse = sparse_gradient_modules(model)
         if sparse:
             raise ValueError(
-                f"{', '.join(sparse)} gets a sparse gradient, which the tracker cannot count: it counts strided "
-                "storages, and a sparse gradient's bytes are the indices and values tensors inside it. Track the "
-                "model with sparse=False (a dense gradient of the whole table)"
+                f"{', '.join(sparse)} gets a sparse gradient, which the tracker cannot count: {SPARSE_GRADIENT_REASON}"
             )
         first = next(iter(model.parameters()), None)
         super().__init__(
