@@ -697,6 +697,21 @@ MUTANTS = [
         "batch_size=rows,  # the global batch",
         ("tests/test_one_fit.py::test_the_course_gpt_per_rank_is_the_dry_run_of_its_sharded_rank",),
     ),
+    # ---- compiled code refused (tracking/compiled.py)
+    Mutant(
+        "compiled.module-compile-not-seen",
+        "tracking/compiled.py",
+        'elif getattr(module, "_compiled_call_impl", None) is not None:',
+        "elif False:",
+        ("tests/test_compiled.py::test_compiled_modules_names_each_compiled_module_and_nothing_else",),
+    ),
+    Mutant(
+        "compiled.functions-not-refused",
+        "tracking/compiled.py",
+        'with dynamo.set_stance("fail_on_recompile") if dynamo is not None else contextlib.nullcontext():',
+        "with contextlib.nullcontext():",
+        ("tests/test_compiled.py::test_the_tracker_leaves_compiling_as_it_found_it",),
+    ),
 ]
 
 

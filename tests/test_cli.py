@@ -28,7 +28,7 @@ def test_cli_prints_table_and_writes_png(tmp_path, capsys):
         (["--seed", "-1"], "--seed: must be an integer in [0, 2**32)"),
         (["--seed", str(2**32)], "--seed: must be an integer in [0, 2**32)"),
         (["--seed", "1.5"], "--seed: expected a whole number"),
-        (["--seq-len", "30000"], "ModelConfig.seq_len must be at most"),
+        (["--seq-len", "30000"], "--seq-len=30000 is longer than the course text allows"),
         (["--d-model", "1000000"], "GiB in float32; this machine has"),
     ],
 )
@@ -115,7 +115,6 @@ PREDICT_TINY = ["predict", "--layers", "1", "--d-model", "32", "--heads", "2", "
         (["--batch-size", str(10**12)], "no dry run is needed to say so"),
         (["--vocab", str(10**15)], "no dry run is needed to say so"),
         (["--layers", str(10**6)], "n_layer must be at most 1024"),
-        (["--seq-len", "30000"], "ModelConfig.seq_len must be at most"),
     ],
 )
 def test_predict_bad_options_exit_2_before_any_work(args, message, capsys, monkeypatch):
@@ -126,6 +125,21 @@ def test_predict_bad_options_exit_2_before_any_work(args, message, capsys, monke
         main([*PREDICT_TINY, *args])
     printed = capsys.readouterr()
     assert e.value.code == 2 and message in printed.err and printed.out == ""
+
+
+def test_predict_takes_a_sequence_longer_than_the_course_text(capsys):
+    """A dry run needs no text: 32,768 positions (the course text has fewer tokens) are predicted, not refused;
+    a real run of the same length is refused (test_bad_options_get_argparse_errors)."""
+    import json
+
+    from anatomy_helpers.core.data import max_seq_len
+
+    seq_len = 32_768
+    assert seq_len > max_seq_len()  # longer than any course batch
+    assert main([*PREDICT_TINY, "--seq-len", str(seq_len), "--json"]) == 0
+    printed = capsys.readouterr()
+    answer = json.loads(printed.out)
+    assert f"s={seq_len}" in answer["config"] and printed.err == ""
 
 
 def test_predict_options_reach_the_configuration(capsys):

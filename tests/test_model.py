@@ -104,8 +104,7 @@ def test_dropout_changes_training_but_not_eval():
         (dict(dropout=float("nan")), "dropout"),
         (dict(dropout=float("inf")), "dropout"),
         (dict(vocab_size=10), "vocab_size"),
-        (dict(seq_len=max_seq_len() + 1), "seq_len"),
-        (dict(seq_len=10**9), "seq_len"),
+        (dict(seq_len=0), "seq_len"),
         (dict(checkpoint="sometimes"), "checkpoint"),
     ],
 )
@@ -117,14 +116,13 @@ def test_bad_config_names_the_field(kwargs, field):
 def test_config_errors_say_the_rule():
     with pytest.raises(ValueError, match="course text needs at least 59 token ids"):
         ModelConfig(vocab_size=58)
-    with pytest.raises(ValueError, match=f"at most {max_seq_len()}: the course text is {max_seq_len() + 1} char"):
-        ModelConfig(seq_len=max_seq_len() + 1)
 
 
 def test_edge_configs_are_accepted():
     ModelConfig(dropout=0)  # an int is a number too
     ModelConfig(vocab_size=64)  # padding the vocabulary, as nanoGPT does, is fine
     ModelConfig(seq_len=max_seq_len())
+    ModelConfig(seq_len=max_seq_len() + 1)  # longer than the course text: a dry run needs none (get_batch refuses)
 
 
 def test_too_many_parameters_fail_fast_with_the_size():

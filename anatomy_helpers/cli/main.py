@@ -16,6 +16,7 @@ import torch
 from matplotlib.backend_bases import FigureCanvasBase
 
 from ..core.checkpointing import CHECKPOINT_POLICIES
+from ..core.data import check_text_seq_len
 from ..core.model import ATTENTION_IMPLS, DTYPES, ModelConfig
 from ..prediction.fit import MAX_LAYERS, FitRequest, will_it_fit
 from ..prediction.fixes import cheapest_fix
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         device = pick_device(args.device)
         config = fields_given(args, ModelConfig)
         ModelConfig(**config)  # check the combination before building anything
+        check_text_seq_len(args.seq_len, "--seq-len")  # a real run draws its batches from the course text
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
     try:

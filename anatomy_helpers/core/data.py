@@ -72,6 +72,18 @@ def max_seq_len() -> int:
     return len(_token_ids()) - 1
 
 
+def check_text_seq_len(seq_len: int, name: str = "seq_len") -> int:
+    """``seq_len``, or a ValueError naming ``name`` when it is longer than a course batch can hold
+    (:func:`max_seq_len`): what a real run on the course text needs. A dry run needs no text: any length."""
+    if seq_len > max_seq_len():
+        raise ValueError(
+            f"{name}={seq_len} is longer than the course text allows ({len(_token_ids())} characters, so at most "
+            f"{max_seq_len()} once targets are shifted by one), and a real run draws its batches from it; a dry run "
+            "needs no text (python -m anatomy_helpers predict, dry_run_config): any length"
+        )
+    return seq_len
+
+
 def get_batch(
     batch_size: int = 8,
     seq_len: int = 128,
@@ -90,11 +102,7 @@ def get_batch(
     step = int_in("get_batch: step", step, 0, SEED_LIMIT, "2**32")
     seed = int_in("get_batch: seed", seed, 0, SEED_LIMIT, "2**32")
     data = _token_ids()
-    if seq_len > max_seq_len():
-        raise ValueError(
-            f"get_batch: seq_len={seq_len} is longer than the course text allows ({len(data)} characters, "
-            f"so at most {max_seq_len()} once targets are shifted by one)"
-        )
+    check_text_seq_len(seq_len, "get_batch: seq_len")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     # Starts are drawn from [0, len - seq_len - 1); at the longest seq_len that range is empty,
     # so draw from [0, 1): the one window there is. Shorter sequences draw exactly as before.

@@ -89,3 +89,25 @@ def state_bytes_by_key(optimizer: torch.optim.Optimizer, device: torch.device | 
             if isinstance(v, torch.Tensor):
                 out[key] = out.get(key, 0) + storage_bytes([v], device)
     return out
+
+
+#: Why a sparse gradient is refused where memory is watched or predicted (the tracker, dry runs).
+SPARSE_GRADIENT_REASON = (
+    "a sparse gradient's bytes are the indices and values tensors inside it, not a strided storage the tracker "
+    "counts, and their rows follow the batch's values (padding tokens left out; an optimizer coalesces them to the "
+    "distinct rows looked up). Use sparse=False (a dense gradient of the whole table)"
+)
+
+
+def sparse_gradient_modules(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s modules whose weight gets a sparse gradient (``nn.Embedding(..., sparse=True)``,
+    ``nn.EmbeddingBag(..., sparse=True)``; ``model`` itself: its class name).
+
+    Such a gradient is a sparse COO tensor: its bytes are an indices and a values tensor held inside it, not a
+    strided storage, and their number depends on how many rows the batch looked up.
+    """
+    return [
+        f"{name or type(model).__name__} ({type(m).__name__}(sparse=True))"
+        for name, m in model.named_modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+    ]

@@ -34,9 +34,10 @@ from ..core.interrupts import DeferredInterrupt
 from ..core.model import GPT, ModelConfig
 from ..core.tables import Col, format_table
 from ..core.units import GiB, KiB
-from ..prediction.dryrun import build_fake_model, check_ops, course_batch, twin_config
+from ..prediction.dryrun import build_fake_model, check_ops, course_batch, refuse_compiled, twin_config
 from ..prediction.fake_check import CheckedFakeTensorMode
 from ..prediction.formulas import ZERO_STAGE, zero_model_states
+from ..tracking.compiled import CompiledCodeError
 from .mesh2d import check_mesh, make_mesh, tp_split_dims
 from .ranks import MESH_STRATEGIES, STRATEGIES, Collective, RankJob, RankResult, run_job
 from .tp_plan import check_tp
@@ -176,6 +177,8 @@ def fake_rank(
             with mode, around if around is not None else contextlib.nullcontext():
                 cpu = torch.device("cpu")
                 result = run_job(job, rank, world_size, cpu, gpt=model, mesh=mesh, batch=batch, trainee=trainee)
+    except CompiledCodeError as e:  # a compiled function the step called (the tracker refused it before it ran)
+        raise refuse_compiled(e.where) from e
     finally:
         interrupt.stop()
     calls = {key: call for key, call in mode.calls.items() if call.func.namespace not in COLLECTIVE_NAMESPACES}

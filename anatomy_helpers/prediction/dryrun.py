@@ -37,6 +37,8 @@ from torch._subclasses.fake_tensor import (
 from ..core.checks import one_of, positive_int
 from ..core.interrupts import DeferredInterrupt
 from ..core.model import GPT, ModelConfig
+from ..core.tensors import SPARSE_GRADIENT_REASON, sparse_gradient_modules
+from ..tracking.compiled import CompiledCodeError, compiled_modules
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..training.step import AUTOCAST_CHOICES, StepPlan, gpt_loss, run_step
@@ -58,6 +60,20 @@ KERNEL_SCRATCH_RULE = (
 
 class DryRunError(ValueError):
     """A model, batch or loss a dry run cannot handle; the message says why and what to do."""
+
+
+#: Why a dry run refuses torch.compile'd code (a module found before anything runs, a function when it is called).
+COMPILED_REASON = (
+    "a dry run's fake tensors follow the eager kernels, one op at a time, not the fused kernels inductor makes (a "
+    "compiled step holds other tensors: no dry run can give its memory, and running compiled code on fake tensors "
+    "can crash the process). Dry-run the model uncompiled (that predicts its eager step), or measure the compiled "
+    "step with torch.profiler's memory timeline (lesson 10's compile_memory)"
+)
+
+
+def refuse_compiled(where: str) -> DryRunError:
+    """The DryRunError for ``where``, a compiled module or function (:class:`CompiledCodeError`'s ``where``)."""
+    return DryRunError(f"{where} is compiled by torch.compile, so a dry run is refused: {COMPILED_REASON}")
 
 
 def fake_module(model: nn.Module, mode: FakeTensorMode, device: str | torch.device = "cpu") -> nn.Module:
@@ -134,11 +150,22 @@ def _swap_cached(value, new: dict[int, torch.Tensor], where: str, depth: int = 0
 def build_fake_model(
     model_factory: Callable[[], nn.Module], mode: FakeTensorMode, device: str | torch.device = "cpu"
 ) -> nn.Module:
-    """``model_factory()`` built on the meta device (no memory), then made fake on ``device``."""
+    """``model_factory()`` built on the meta device (no memory), then made fake on ``device``.
+
+    Refused (:class:`DryRunError`, before anything runs): a model that is or holds a ``torch.compile``d module
+    (:data:`COMPILED_REASON`), or a module whose weight gets a sparse gradient (``nn.Embedding(sparse=True)``)."""
     with torch.device("meta"):
         model = model_factory()
     if not isinstance(model, nn.Module):
         raise DryRunError(f"the model factory must return an nn.Module, got {type(model).__name__}")
+    compiled = compiled_modules(model)
+    if compiled:  # before anything runs: see COMPILED_REASON
+        raise refuse_compiled(", ".join(compiled))
+    sparse = sparse_gradient_modules(model)
+    if sparse:
+        raise DryRunError(
+            f"{', '.join(sparse)} gets a sparse gradient, so a dry run is refused: {SPARSE_GRADIENT_REASON}"
+        )
     if next(iter(model.parameters()), None) is None:
         raise DryRunError(f"{type(model).__name__} has no parameters: there is no training step to dry-run")
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -263,6 +290,8 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
                 kernel_scratch=False,
                 fake=True,
             )
+    except CompiledCodeError as e:  # a compiled function the step called (the tracker refused it before it ran)
+        raise refuse_compiled(e.where) from e
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         named = f" ({type(optimizer).__name__})" if optimizer is not None else ""
         who = f"{type(model).__name__} or its optimizer{named}"
@@ -270,6 +299,13 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
             f"{who} reads tensor values during the step ({e.func if hasattr(e, 'func') else e}): "
             "a dry run has shapes but no values, so it cannot run code that branches on data or whose output "
             "shape depends on it (.item(), .tolist(), nonzero, boolean masks)"
+        ) from e
+    except NotImplementedError as e:
+        if "Cannot access storage of" not in str(e):
+            raise
+        raise DryRunError(
+            f"the step makes a tensor that has no storage ({e}: a sparse or other non-strided layout), whose bytes "
+            "a dry run cannot see; every tensor of a dry-run step must be strided (no sparse gradients or ops)"
         ) from e
     except (RuntimeError, AssertionError) as e:
         if "FakeTensor" in str(e):

@@ -41,11 +41,12 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from ..core.checks import one_of, positive_int, positive_number
 from ..core.interrupts import DeferredInterrupt
+from ..tracking.compiled import CompiledCodeError
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..training.step import AUTOCAST_CHOICES, StepPlan, run_step
 from ..training.train import OPTIMIZERS  # the one list of optimizer names (lesson 03's four)
-from .dryrun import DryRunError, build_fake_model, check_ops
+from .dryrun import DryRunError, build_fake_model, check_ops, refuse_compiled
 from .fake_check import CheckedFakeTensorMode
 from .hf import build_model, hf_config, tiny_config
 
@@ -356,6 +357,8 @@ def hf_dry_run(cfg, run):
     tracing_calls: list[str] = []
     try:
         out = run(mode, as_real_run(tracing_calls))
+    except CompiledCodeError as e:  # a compiled function the step called (the tracker refused it before it ran)
+        raise refuse_compiled(e.where) from e
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         op = getattr(e, "func", e)
         raise DryRunError(

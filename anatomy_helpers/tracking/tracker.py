@@ -45,7 +45,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..core import checkpointing
 from ..core.checks import positive_number
 from ..core.interrupts import DeferredInterrupt
-from ..core.tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs, optimizer_state_tensors
+from ..core.tensors import (
+    ALLOCATES,
+    IN_PLACE,
+    SPARSE_GRADIENT_REASON,
+    VIEWS,
+    op_outputs,
+    optimizer_state_tensors,
+    sparse_gradient_modules,
+)
+from .compiled import CompiledCodeError, compiled_function, compiled_modules, refuse_compiled_code
 from .events import (
     ACTIVATIONS,
     BACKWARD,
@@ -83,8 +92,9 @@ class _OpWatcher(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps every mode's __torch_dispatch__ in a "Dynamo, do not compile this" frame guard, a few
-        # microseconds on each of the ~1,300 ops of a step. Dynamo already skips every frame while a mode like
-        # this one is active (convert_frame.py), so the guard buys nothing here.
+        # microseconds on each of the ~1,300 ops of a step. Dynamo only ever sees this frame inside code that
+        # torch.compile wrapped (its mode stack is empty while the mode runs, so Dynamo would compile it), and the
+        # tracker refuses such code before its first frame runs (compiled.py), so the guard buys nothing here.
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -134,6 +144,10 @@ class StepTracker(Recorder):
     passes (micro-batches) and ends only with the optimizer phase; a forward after a
     backward is the next micro-step of the same step, not a new step.
 
+    ``torch.compile``d code is refused with :class:`~anatomy_helpers.tracking.compiled.CompiledCodeError` (the
+    tracker would see its eager ops, not the compiled step): a compiled model or submodule when the tracker is made,
+    a compiled function when the step calls it, before it runs (compiled.py).
+
     Extending it (the per-rank tracker in distributed/ranks.py does): override these, each documented below,
     and record through the Recorder's :meth:`~Recorder.mark`, :meth:`~Recorder.allocation_id` and
     :meth:`~Recorder.resize`:
@@ -169,6 +183,14 @@ class StepTracker(Recorder):
             raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer of this model")
         if budget_bytes is not None:
             positive_number("budget_bytes", budget_bytes)
+        compiled = compiled_modules(model)
+        if compiled:
+            raise CompiledCodeError(", ".join(compiled))
+        sparse = sparse_gradient_modules(model)
+        if sparse:
+            raise ValueError(
+                f"{', '.join(sparse)} gets a sparse gradient, which the tracker cannot count: {SPARSE_GRADIENT_REASON}"
+            )
         first = next(iter(model.parameters()), None)
         super().__init__(
             first.device if first is not None else torch.device("cpu"), budget_bytes=budget_bytes, accumulate=accumulate
@@ -204,6 +226,8 @@ class StepTracker(Recorder):
         self._interrupt.start()
         try:
             self._install(self._claim, self._release)
+            no_compiling = refuse_compiled_code()  # a compiled function called inside: refused (compiled.py)
+            self._install(no_compiling.__enter__, lambda: no_compiling.__exit__(None, None, None))
             if self.kernel_scratch:
                 memory = MemoryEvents()
                 self._install(lambda: memory.start(), lambda: self._memory_events.append(memory.stop()))
@@ -240,6 +264,9 @@ class StepTracker(Recorder):
     def __exit__(self, exc_type, exc, tb) -> None:
         self._teardown()
         if exc is not None:
+            where = compiled_function(exc)
+            if where is not None:  # Dynamo refused to compile a function the step called (refuse_compiled_code)
+                raise CompiledCodeError(where) from exc
             try:
                 exc.trace = self._trace  # what happened up to the failure, for plotting
             except AttributeError:  # an exception type that takes no attributes
