@@ -101,8 +101,8 @@ def dry_run_hf_rank(model, ft: FineTune, world_size: int = 2, zero: int = 0, ran
     cfg = hf_config(model)
     positive_int("world_size", world_size)
     check_positions(cfg, ft)
+    twin, small = twin_config(cfg, ft), twin_fine_tune(ft)  # first: a model with no twin is refused
     run, calls = _hf_rank(cfg, ft, world_size, zero, rank)
-    twin, small = twin_config(cfg, ft), twin_fine_tune(ft)
     what = f"rank {rank} of {world_size} ({ZERO_STRATEGIES[zero]}) of {cfg.model_type}"
     check_ops(calls, what, lambda: _hf_rank(twin, small, world_size, zero, rank)[1])
     return run

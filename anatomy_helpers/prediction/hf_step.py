@@ -47,7 +47,7 @@ from ..training.step import AUTOCAST_CHOICES, StepPlan, run_step
 from ..training.train import OPTIMIZERS  # the one list of optimizer names (lesson 03's four)
 from .dryrun import DryRunError, build_fake_model, check_ops
 from .fake_check import CheckedFakeTensorMode
-from .hf import build_model, hf_config, tiny_config
+from .hf import build_model, hf_config, max_positions, tiny_config
 
 METHODS = ("full", "frozen", "lora")
 
@@ -249,12 +249,11 @@ def check_positions(cfg, ft: FineTune) -> None:
     """ValueError if ``ft``'s sequences are longer than ``cfg``'s model takes. A real step would fail (GPT-2's
     learned position table has 1,024 rows: index out of range) or run past what the model was made for; a dry run
     reads no token ids, so without this it would return a number for a step that cannot run as configured."""
-    limit = getattr(cfg, "max_position_embeddings", None)
-    if isinstance(limit, int) and ft.seq_len > limit:
+    limit = max_positions(cfg)
+    if limit is not None and ft.seq_len > limit:
         raise ValueError(
             f"seq_len {ft.seq_len} is longer than {type(cfg).__name__} ({cfg.model_type}) takes: "
-            f"max_position_embeddings={limit}; use seq_len <= {limit}, or a config.json whose model takes longer "
-            "sequences"
+            f"{limit} positions; use seq_len <= {limit}, or a config.json whose model takes longer sequences"
         )
 
 
@@ -402,7 +401,7 @@ def twin_config(cfg, ft: FineTune):
     twin = tiny_config(cfg)
     window = getattr(cfg, "sliding_window", None)
     if window is not None and ft.seq_len <= window:
-        twin.sliding_window = twin.max_position_embeddings
+        twin.sliding_window = max_positions(twin)
     return twin
 
 
@@ -425,8 +424,8 @@ def dry_run_hf(cfg, ft: FineTune = FineTune(), steps: int = 2, *, check_on=None)
     cfg = hf_config(cfg)
     positive_int("steps", steps)
     check_positions(cfg, ft)
+    twin = check_on if check_on is not None else twin_config(cfg, ft)  # first: a model with no twin is refused
     trace, calls = _fake_run(cfg, ft, steps)
-    twin = check_on if check_on is not None else twin_config(cfg, ft)
     small = twin_fine_tune(ft)
     check_ops(calls, f"{cfg.model_type} ({type(cfg).__name__})", lambda: _fake_run(twin, small, 2)[1])
     return trace
