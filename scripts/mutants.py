@@ -215,8 +215,8 @@ MUTANTS = [
     Mutant(
         "hf_fit.fit-checked-against-the-whole-device",
         "prediction/fit.py",
-        "failure = allocator_failure(record, rep, dev.usable)",
-        "failure = allocator_failure(record, rep, dev.total)",
+        "oom, close = allocator_answer(record, rep, dev.usable, allowance)",
+        "oom, close = allocator_answer(record, rep, dev.total, allowance)",
         ("tests/test_hf_fit.py::test_the_report_holds_the_dry_runs_peaks_and_its_verdict_follows_the_device",),
     ),
     Mutant(

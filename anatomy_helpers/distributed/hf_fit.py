@@ -28,7 +28,7 @@ from ..core.checks import one_of, positive_int
 from ..prediction.dryrun import check_ops
 from ..prediction.fit import FitReport, size_text, trace_fit_report
 from ..prediction.hf import hf_config
-from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf
+from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf, hf_assumptions
 from ..prediction.hf_fixes import LORA_RANK, hf_step_flops
 from ..prediction.hf_step import (
     FineTune,
@@ -149,10 +149,11 @@ def will_it_fit_hf(
     label = describe_hf(cfg, fine_tune, model if isinstance(model, str) else None)
     if world_size == 1:
         trace = dry_run_hf(cfg, fine_tune, steps=2) if trace is None else trace
-        return trace_fit_report(trace, label, dev, rules=HF_RULES)
+        return trace_fit_report(trace, label, dev, rules=HF_RULES, assumptions=hf_assumptions(fine_tune))
     stage = zero or 0
     trace = dry_run_hf_rank(cfg, fine_tune, world_size, stage).result.trace if trace is None else trace
-    return trace_fit_report(trace, label, dev, rank_note(trace, world_size, stage), HF_RULES)
+    note = rank_note(trace, world_size, stage)
+    return trace_fit_report(trace, label, dev, note, HF_RULES, hf_assumptions(fine_tune))
 
 
 def cheapest_fix_hf(

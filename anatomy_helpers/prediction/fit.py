@@ -31,8 +31,16 @@ from ..core.units import pick_unit
 from ..tracking.trace import Trace
 from ..training.step import AUTOCAST_CHOICES
 from ..training.train import OPTIMIZER_NAMES
-from .allocator import replay, replay_with_limit
-from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text, sdpa_backend
+from .allocator import LimitReplay, replay, replay_with_limit
+from .cuda_rules import (
+    CPU_RULES,
+    corrected_peak,
+    correction_series,
+    cublas_workspace_bytes,
+    cuda_corrections,
+    rules_text,
+    sdpa_backend,
+)
 from .devices import Device, get_device
 from .dryrun import dry_run_config
 
@@ -41,6 +49,33 @@ IMPLEMENTATION_FLAGS = {"single": (False, None), "foreach": (True, None), "fused
 
 #: The phases a fit report looks at, in time order.
 STEP_PHASES = tuple((s, p) for s in (1, 2) for p in ("forward", "backward", "optimizer"))
+
+
+#: The rules line of a device given only by its size: no compute capability to pick CUDA's rules by.
+SIZE_ONLY_RULES = f"{CPU_RULES}, not CUDA's: a device given only by its size has no compute capability to pick them by"
+
+#: Why the allocator's reserved memory, not the tensors, decides (a report's "decides" line).
+RESERVED_DECIDES = (
+    "decides: the allocator's reserved memory, not the tensors: PyTorch's caching allocator cudaMallocs segments and "
+    "cuts tensors' blocks out of them; a freed block stays in its segment, where a larger tensor may not fit "
+    "(fragmentation), so reserved runs above the tensors"
+)
+#: How a learner measures their own GPU (a report's last lines).
+YOUR_CARD = (
+    "your own GPU: torch.cuda.mem_get_info() returns its (free, total) bytes, free being what is left beside the "
+    'CUDA context; will_it_fit(..., device="this GPU") predicts against that, the context measured'
+)
+NEAR_THE_EDGE = (
+    "near the edge: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the process first uses CUDA) lets "
+    "the allocator grow a segment instead of cudaMalloc-ing another, which reduces fragmentation: reserved comes "
+    "closer to the tensors (the simulator here models the default allocator, not expandable segments)"
+)
+
+
+def assumed_bytes(context: int, context_measured: bool, workspace: int) -> int:
+    """What a prediction assumes rather than measures (bytes): the CUDA context's allowance unless it was measured,
+    and the cuBLAS workspaces it does not count (``workspace``)."""
+    return (0 if context_measured else context) + workspace
 
 
 def size_text(nbytes: int) -> str:
@@ -66,7 +101,13 @@ class FitReport:
 
     The verdict comes from replaying the dry run's allocations through the caching-allocator simulator capped at
     the usable memory (``allocator.replay_with_limit``): it rounds, splits and caches as the real allocator does,
-    and, like it, gives its cached free segments back and retries before it declares an out-of-memory error.
+    and, like it, gives its cached free segments back and retries before it declares an out-of-memory error. So
+    the allocator's reserved memory decides, not the tensors' peak (:data:`RESERVED_DECIDES`). ``close``: the
+    simulated answer turns within ``allowance`` bytes of the usable memory (more for a step that does not fit,
+    less for one that does): what is assumed, not measured (the CUDA context's allowance where it is assumed, the
+    cuBLAS workspaces where CUDA's rules are not applied), so the verdict says it is too close to call.
+    ``assumptions``: what the prediction takes as given about the step (sequences, checkpointing, precision), by
+    the caller; the report adds the device's (:meth:`assumption_lines`).
     """
 
     label: str
@@ -79,10 +120,25 @@ class FitReport:
     note: str = ""
     context_note: str = "CUDA context (assumed)"
     rules: str = CPU_RULES  # which device rules the phase needs follow (see cuda_rules.rules_text)
+    assumptions: tuple[str, ...] = ()  # the step's assumptions, one line each
+    workspace: int = 0  # cuBLAS workspace bytes not counted (0 where CUDA's rules add them)
+    oom: LimitReplay | None = None  # the capped replay where it ran out: what it held and asked for
+    close: bool = False  # the simulated answer turns within `allowance` bytes of the usable memory
 
     @property
     def fits(self) -> bool:
         return self.failure is None
+
+    @property
+    def context_assumed(self) -> bool:
+        """True where the CUDA context's share is our allowance, not measured on the GPU."""
+        return "assumed" in self.context_note
+
+    @property
+    def allowance(self) -> int:
+        """Bytes assumed, not measured: the CUDA context's allowance (where it is assumed) and the cuBLAS
+        workspaces not counted. Kernel scratch is not counted either, and has no size to add here."""
+        return assumed_bytes(self.capacity - self.usable, not self.context_assumed, self.workspace)
 
     @property
     def peak(self) -> PhaseNeed:
@@ -99,24 +155,99 @@ class FitReport:
         return found[0] if found else PhaseNeed(step, phase, 0, 0, {})
 
     def verdict(self) -> str:
-        """One sentence: fits (with the margin) or which phase of which step runs out first."""
+        """One sentence: fits or which phase of which step runs out first, by the simulated allocator's reserved
+        memory (which decides), the tensors' peak beside it; "BUT TOO CLOSE TO CALL" where :attr:`close`."""
         pk = self.peak
-        head = f"{self.label} on {self.device}: "
-        peak = f"{size_text(pk.tensors)} of tensors (step {pk.step} {pk.phase})"
+        usable = size_text(self.usable)
+        tensors = f"tensors peak at {size_text(pk.tensors)} (step {pk.step} {pk.phase})"
         if self.failure is None:
-            return head + f"FITS. Peak {peak} within {size_text(self.usable)} usable"
-        step, phase = self.failure
-        where = "before step 1 (the model itself)" if step == 0 else f"in step {step}'s {phase} pass"
-        return head + f"DOES NOT FIT: runs out first {where}; peak {peak} against {size_text(self.usable)} usable"
+            answer = "FITS"
+            top = max(self.phases, key=lambda p: p.reserved)
+            if top.reserved <= self.usable:
+                held = (
+                    f"the simulated caching allocator reserves at most {size_text(top.reserved)} (step {top.step} "
+                    f"{top.phase}) of {usable} usable"
+                )
+            else:
+                held = (
+                    f"the simulated caching allocator stays within {usable} usable only by giving cached segments back"
+                )
+        else:
+            answer = "DOES NOT FIT"
+            step, phase = self.failure
+            where = "before step 1 (the model itself)" if step == 0 else f"in step {step}'s {phase} pass"
+            held = f"the simulated caching allocator, capped at {usable} usable, runs out first {where}"
+            if self.oom is not None and self.oom.requested is not None:
+                stuck = self.oom.reserved - self.oom.allocated
+                held += (
+                    f": with its entirely free segments given back it still holds {size_text(self.oom.reserved)}, "
+                    f"{size_text(self.oom.allocated)} in tensors and {size_text(stuck)} in free blocks of partly "
+                    f"used segments, none of which can take the next {size_text(self.oom.requested)} tensor, and "
+                    f"a new {size_text(self.oom.segment)} segment goes over the cap"
+                )
+        if self.close:
+            answer += ", BUT TOO CLOSE TO CALL"
+        return f"{self.label} on {self.device}: {answer}: {held}; {tensors}"
+
+    def margin(self) -> str:
+        """How far the answer is from turning, against what is assumed (:attr:`allowance`)."""
+        parts = []
+        if self.context_assumed:
+            parts.append(f"the CUDA context {size_text(self.capacity - self.usable)}, taken out of the usable memory")
+        if self.workspace:
+            parts.append(f"cuBLAS workspaces up to {size_text(self.workspace)}, not counted")
+        assumed = f"assumed, not measured: {'; '.join(parts)}" if parts else "the CUDA context is measured"
+        more = "less" if self.fits else "more"
+        if not self.allowance:
+            turn = "nothing is assumed that could turn the answer"
+        elif self.close:
+            turn = f"TOO CLOSE TO CALL: with {size_text(self.allowance)} {more} memory the simulated answer turns"
+        else:
+            turn = f"the answer holds with {size_text(self.allowance)} {more} memory"
+        return f"margin: {turn} ({assumed}); kernel scratch is not counted at all"
+
+    def assumption_lines(self) -> tuple[str, ...]:
+        """The step's assumptions, then the device's: its rules, what is not counted, the CUDA context."""
+        not_counted = "kernel scratch (temporary buffers inside ops)"
+        if self.workspace:
+            not_counted += f", cuBLAS workspaces (up to {size_text(self.workspace)})"
+        context = size_text(self.capacity - self.usable)
+        context += " assumed, not measured" if self.context_assumed else " measured on this GPU"
+        return (
+            *self.assumptions,
+            f"device rules: {self.rules}",
+            f"not counted: {not_counted}",
+            f"CUDA context: {context} (the driver's state, the kernels' code, the libraries' handles)",
+        )
+
+    def decision_lines(self) -> list[str]:
+        """The verdict, what decides it, its margin and what a learner can do on their own GPU."""
+        lines = [self.verdict(), RESERVED_DECIDES]
+        edge = self.close or (not self.fits and self.peak.tensors <= self.usable)
+        if not self.fits and self.peak.tensors <= self.usable:
+            lines[-1] += f": the tensors alone ({size_text(self.peak.tensors)}) would fit, the segments do not"
+        lines += [self.margin(), YOUR_CARD]
+        if edge:
+            lines.append(NEAR_THE_EDGE)
+        return lines
 
     def table(self) -> str:
         unit, scale = pick_unit(max(p.reserved for p in self.phases))  # the rows' unit suits the step, not the GPU
         cols = [Col("step", 4), Col("phase", 9, align="<", gap="  "), Col("tensors", 9, ".2f")]
-        cols += [Col("reserved", 9, ".2f"), Col("tensors fit", 11)]
+        cols += [Col("reserved", 9, ".2f"), Col("tensors fit", 11), Col("allocator", 9)]
+        order = [(p.step, p.phase) for p in self.phases]
+        ran_out = order.index(self.failure) if self.failure in order else 0
+
+        def capped(i: int) -> str:
+            if self.failure is None or i < ran_out:
+                return "ok"
+            return "RUNS OUT" if i == ran_out and self.failure in order else "-"
+
         rows = [
-            (p.step, p.phase, p.tensors / scale, p.reserved / scale, "yes" if p.tensors <= self.usable else "NO")
-            for p in self.phases
-        ]
+            (p.step, p.phase, p.tensors / scale, p.reserved / scale, "yes" if p.tensors <= self.usable else "NO",
+             capped(i))
+            for i, p in enumerate(self.phases)
+        ]  # fmt: skip
         kept = (
             f"; the allocator replay is capped {size_text(self.reserved_extra)} lower, kept for the "
             "accumulated gradients and the whole batch's inputs"
@@ -124,14 +255,18 @@ class FitReport:
             else ""
         )
         footer = [
-            f"rules: {self.rules}",
             f"usable on {self.device}: {size_text(self.usable)} = {size_text(self.capacity)} "
             f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}",
-            self.verdict(),
+            "assumptions:",
+            *(f"  - {line}" for line in self.assumption_lines()),
+            *self.decision_lines(),
         ]
         if self.note:
             footer.append(self.note)
-        note = f"({unit}; reserved: simulated caching allocator without a cap, at the phase's peak)"
+        note = (
+            f"({unit}; reserved: the simulated caching allocator without a cap, at the phase's tensor peak; "
+            "allocator: the same capped at the usable memory, which decides; -: not reached)"
+        )
         return format_table(cols, rows, note=note, footer=footer)
 
 
@@ -342,18 +477,46 @@ def gradient_bytes(cfg: ModelConfig) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def allocator_failure(record, rep, limit: int) -> tuple[int, str] | None:
+def capped_replay(record, rep, limit: int) -> LimitReplay | None:
     """Where the caching-allocator simulator capped at ``limit`` bytes runs out replaying ``record`` (its
-    (step, phase); (0, "idle") when nothing is left for the step), or None if it passes. ``rep``: the uncapped
-    replay of the same record."""
+    :class:`~anatomy_helpers.prediction.allocator.LimitReplay`; step 0, phase "idle" when nothing is left for the
+    step), or None if it passes. ``rep``: the uncapped replay of the same record."""
     if limit <= 0:
-        return (0, "idle")
+        return LimitReplay(limit, False, 0, 0, "idle", None, 0, 0, 0)
     if len(rep.reserved) and rep.reserved.max() <= limit:
         # The uncapped replay never reserves more than the cap, so the capped one never flushes its cache: the
         # same replay, which passes. (Replaying it again would give the same answer, at a cost.)
         return None
     capped = replay_with_limit(record, limit)
-    return None if capped.passed else (capped.step, capped.phase)
+    return None if capped.passed else capped
+
+
+def allocator_answer(record, rep, limit: int, allowance: int) -> tuple[LimitReplay | None, bool]:
+    """(:func:`capped_replay` under ``limit``, whether its answer turns with ``allowance`` bytes more memory (a
+    replay that runs out) or less (one that passes): too close to call)."""
+    oom = capped_replay(record, rep, limit)
+    if not allowance:
+        return oom, False
+    other = capped_replay(record, rep, limit + allowance if oom else limit - allowance)
+    return oom, (other is None) != (oom is None)
+
+
+def unapplied_workspaces(dev: Device) -> int:
+    """The cuBLAS workspaces a step holds where CUDA's rules are not applied (bytes): two, the forward's thread's
+    and autograd's backward thread's (cuda_rules.cublas_workspaces), each Hopper's size where the capability is
+    unknown (the largest)."""
+    return 2 * cublas_workspace_bytes(dev.capability or (9, 0))
+
+
+def course_assumptions(cfg: ModelConfig, optimizer: str, autocast: str | None) -> tuple[str, ...]:
+    """A course GPT step's assumptions, for its report: sequences, checkpointing, precision."""
+    every = f" every {cfg.checkpoint_every}" if cfg.checkpoint == "every_k" else ""
+    return (
+        f"sequences: every row {cfg.seq_len} tokens, full length (the course GPT takes no padding or attention mask)",
+        f"activation checkpointing: {cfg.checkpoint}{every}",
+        f"precision: {cfg.dtype} weights and gradients, {f'{autocast} autocast' if autocast else 'no autocast'}, "
+        f"{optimizer} state",
+    )
 
 
 def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
@@ -381,20 +544,35 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
         series = correction_series(trace, corrections)
         sdpa = sdpa_backend(cfg, autocast, dev.capability) if cfg.attn_impl == "sdpa" else None
         limit -= max(0, int(series.sum(axis=1).max()))  # the replay has no CUDA-only storages: keep them out
-    failure = allocator_failure(trace.allocation_record(), rep, limit)
+    workspace = 0 if corrections is not None else unapplied_workspaces(dev)
+    allowance = assumed_bytes(dev.context, dev.context_measured, workspace)
+    oom, close = allocator_answer(trace.allocation_record(), rep, limit, allowance)
     needs = phase_needs(trace, extra, rep, series)
+    rules = rules_text(corrections, sdpa, dev.capability) if corrections is not None else SIZE_ONLY_RULES
     return FitReport(
-        label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note(),
-        rules_text(corrections, sdpa, dev.capability),
+        label, dev.name, dev.total, dev.usable, needs, _where(oom), grads + inputs, note, dev.context_note(), rules,
+        course_assumptions(cfg, request.optimizer, autocast), workspace, oom, close,
     )  # fmt: skip
 
 
-def trace_fit_report(trace: Trace, label: str, dev: Device, note: str = "", rules: str = CPU_RULES) -> FitReport:
+def _where(oom: LimitReplay | None) -> tuple[int, str] | None:
+    return None if oom is None else (oom.step, oom.phase)
+
+
+def trace_fit_report(
+    trace: Trace, label: str, dev: Device, note: str = "", rules: str = CPU_RULES, assumptions: tuple[str, ...] = ()
+) -> FitReport:
     """``trace`` (two steps: a dry run of one device's step, or of one rank's) replayed through the allocator
     simulator under ``dev``'s usable memory, as a :class:`FitReport` labelled ``label``, its phase needs following
-    ``rules`` (no CUDA correction applied: a Hugging Face model's step, a rank's)."""
+    ``rules`` (no CUDA correction applied: a Hugging Face model's step, a rank's; so the cuBLAS workspaces are not
+    counted), ``assumptions`` the step's."""
     record = trace.allocation_record()
     rep = replay(record)
-    failure = allocator_failure(record, rep, dev.usable)
+    workspace = unapplied_workspaces(dev)
+    allowance = assumed_bytes(dev.context, dev.context_measured, workspace)
+    oom, close = allocator_answer(record, rep, dev.usable, allowance)
     needs = phase_needs(trace, None, rep)
-    return FitReport(label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), rules)
+    return FitReport(
+        label, dev.name, dev.total, dev.usable, needs, _where(oom), 0, note, dev.context_note(), rules, assumptions,
+        workspace, oom, close,
+    )  # fmt: skip

@@ -171,6 +171,7 @@ def tiny_config(cfg, *, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, v
     its twin cannot be made, so no dry run of it is checked.
     """
     cfg = hf_config(cfg)
+    require_causal_lm(cfg)
     fields = cfg.to_dict()
     heads, layers_orig = getattr(cfg, "num_attention_heads", None), cfg.num_hidden_layers
     if not isinstance(heads, int):
@@ -259,21 +260,27 @@ def build_model(
         if not _is_moe(cfg):
             raise ValueError(f"experts_implementation is for mixture-of-experts models; {cfg.model_type} has none")
         kwargs["experts_implementation"] = experts_implementation
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
-    except ValueError as e:
-        if "Unrecognized configuration class" in str(e):
-            raise ValueError(
-                f"{type(cfg).__name__} ({cfg.model_type}) is not a causal language model transformers knows: "
-                "AutoModelForCausalLM has no class for it"
-            ) from None
-        raise
+    require_causal_lm(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
     check_causal(model, cfg)
     if getattr(model, "loss_type", None) is None:
         # transformers picks the loss from the class name; GPT2LMHeadModel's names none, so every forward would
         # fall back to ForCausalLM and log that it did (modeling_utils.PreTrainedModel.loss_function): name it
         model.loss_type = "ForCausalLM"
     return model.train()
+
+
+def require_causal_lm(cfg) -> None:
+    """ValueError naming ``cfg``'s class where transformers' causal-LM mapping (AutoModelForCausalLM's) has no model
+    class for it (ViT, an image encoder). One in it may still not be causal: :func:`check_causal`."""
+    require_transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # optional extra [hf]
+
+    if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{type(cfg).__name__} ({cfg.model_type}) is not a causal language model transformers knows: "
+            "AutoModelForCausalLM has no class for it"
+        )
 
 
 def check_causal(model: nn.Module, cfg) -> None:

@@ -56,7 +56,10 @@ HF_ASSUMPTIONS = (
     "Each row of the batch is one sequence: no padding, no packed sequences. On real data transformers reads the "
     "position ids to find packed sequences (masking_utils.find_packed_sequence_indices) and, finding none, skips "
     "building an attention mask; the dry run runs the same ops and takes that answer. Where transformers would "
-    "take its tracing path for fake tensors anywhere else (utils.is_tracing), the dry run is refused."
+    "take its tracing path for fake tensors anywhere else (utils.is_tracing), the dry run is refused. A padded "
+    "batch with an attention_mask is not modelled (transformers then builds a (batch, 1, s, s) mask). The key/value "
+    "cache is off (use_cache=False, make_hf_model), as a training loop should have it. Every fit report lists "
+    "these among its assumptions (hf_fit.hf_assumptions)."
 )
 
 
