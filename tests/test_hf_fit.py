@@ -245,7 +245,7 @@ def test_one_verdict_when_the_tensors_fit_but_the_allocators_segments_do_not(tmp
 
     from anatomy_helpers.prediction.cuda_rules import CUBLAS_WORKSPACE
     from anatomy_helpers.prediction.devices import CUDA_CONTEXT_BYTES
-    from anatomy_helpers.prediction.fit import RESERVED_DECIDES, size_text
+    from anatomy_helpers.prediction.fit_report import RESERVED_DECIDES, size_text
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN_1_5B))
     ft = FineTune(batch_size=1, seq_len=2048, dtype="bfloat16", gradient_checkpointing=True, foreach=True)

@@ -309,7 +309,7 @@ def test_bad_requests_are_refused_before_any_dry_run(kwargs, match):
 def test_fit_report_by_hand():
     """The report's peak is the phase with the most tensor bytes; the first failure is the phase the capped
     allocator ran out in (step 0: the model itself)."""
-    from anatomy_helpers.prediction.fit import FitReport, PhaseNeed
+    from anatomy_helpers.prediction.fit_report import FitReport, PhaseNeed
 
     phases = tuple(
         PhaseNeed(s, p, t * 2**20, (t + 2) * 2**20, {})
@@ -330,7 +330,7 @@ def test_fit_report_by_hand():
 def test_the_verdict_names_the_allocators_reserved_memory_as_what_decides():
     """Tensors under the usable memory, the capped allocator out of it: the verdict says the allocator decides, with
     what it held and asked for; the table shows both per phase, where it ran out and what it never reached."""
-    from anatomy_helpers.prediction.fit import RESERVED_DECIDES, FitReport, PhaseNeed
+    from anatomy_helpers.prediction.fit_report import RESERVED_DECIDES, FitReport, PhaseNeed
 
     mib = 2**20
     sizes = tuple(zip(("forward", "backward", "optimizer"), (5, 9, 7)))

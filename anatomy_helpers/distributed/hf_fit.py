@@ -26,7 +26,8 @@ import torch.nn as nn
 
 from ..core.checks import one_of, positive_int
 from ..prediction.dryrun import check_ops
-from ..prediction.fit import FitReport, size_text, trace_fit_report
+from ..prediction.fit import trace_fit_report
+from ..prediction.fit_report import FitReport, size_text
 from ..prediction.hf import hf_config
 from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf, hf_assumptions
 from ..prediction.hf_fixes import LORA_RANK, hf_step_flops

@@ -18,7 +18,8 @@ import dataclasses
 from ..core.model import ModelConfig
 from ..prediction import fit
 from ..prediction.cuda_rules import CPU_RULES
-from ..prediction.fit import FitReport, course_assumptions, trace_fit_report, usable_device
+from ..prediction.fit import course_assumptions, trace_fit_report, usable_device
+from ..prediction.fit_report import FitReport
 from ..prediction.hf_step import FineTune
 from .fake_world import dry_run_rank
 from .hf_fit import WARMUP, ZERO_STRATEGIES, rank_note, will_it_fit_hf
