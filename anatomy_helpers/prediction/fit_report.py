@@ -23,8 +23,9 @@ RESERVED_DECIDES = (
 )
 #: How a learner measures their own GPU (a report's last lines).
 YOUR_CARD = (
-    "your own GPU: torch.cuda.mem_get_info() returns its (free, total) bytes, free being what is left beside the "
-    'CUDA context; will_it_fit(..., device="this GPU") predicts against that, the context measured'
+    "your own GPU: torch.cuda.mem_get_info() returns its (free, total) bytes, free counted after this process's CUDA "
+    "context and whatever else holds the card; compare free with the reserved peak above, or ask "
+    'will_it_fit(..., device="this GPU"), which measures the context that way'
 )
 NEAR_THE_EDGE = (
     "near the edge: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the process first uses CUDA) lets "
@@ -192,7 +193,12 @@ class FitReport:
             lines.append(NEAR_THE_EDGE)
         return lines
 
+    def __str__(self) -> str:  # print(report) shows the table, its assumptions and verdict
+        return self.table()
+
     def table(self) -> str:
+        """The phases (tensors beside reserved, the capped allocator's outcome), the usable memory, the assumptions,
+        then :meth:`decision_lines` and the report's note."""
         unit, scale = pick_unit(max(p.reserved for p in self.phases))  # the rows' unit suits the step, not the GPU
         cols = [Col("step", 4), Col("phase", 9, align="<", gap="  "), Col("tensors", 9, ".2f")]
         cols += [Col("reserved", 9, ".2f"), Col("tensors fit", 11), Col("allocator", 9)]
