@@ -455,6 +455,16 @@ MUTANTS = [
         "v / t if term in TP_SHARDED_TERMS else v",
         ("tests/test_tensor_parallel.py::test_the_terms_sum_to_the_papers_closed_forms",),
     ),
+    Mutant(
+        "tensor_parallel.dropout-0-keeps-masks",
+        "distributed/tensor_parallel.py",
+        "if not cfg.dropout and term in DROPOUT_TERMS:",
+        "if False:",
+        (
+            "tests/test_tensor_parallel.py::test_fp32_and_dropout_0_parts_are_the_formula_plus_gaps_that_name_only_"
+            "what_the_model_keeps",
+        ),
+    ),
     # ---- the Llama block's split (tp_plan.py): grouped-query qkv rows in rank order
     Mutant(
         "tp_plan.qkv-rows-not-interleaved",

@@ -53,13 +53,17 @@ def test_predict_hf_on_a_full_size_shipped_model(capsys):
     """GPT-2 (124M parameters) at its full size: a dry run of about 4 s of one core."""
     assert main(["predict", "--hf", "gpt2", "--seq-len", "64", "--optimizer", "sgd", "--impl", "single"]) == 0
     out = capsys.readouterr().out
-    assert "gpt2, full, b=1 s=64, bfloat16" in out and "FITS" in out and "on A100 80GB" in out
+    assert "gpt2, full, b=1 s=64, bfloat16" in out and "FITS" in out and "on T4" in out  # the default GPU
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--hf", "llama-4"], "--hf llama-4: "),
+        # a Hub name that is not shipped: how to get its config.json, for that very model
+        (["--hf", "meta-llama/Llama-3.1-70B"], "`hf download meta-llama/Llama-3.1-70B config.json --local-dir"),
+        # a shipped model's Hub name is taken (the refusal is the option's, after the configuration was read)
+        (["--hf", "Qwen/Qwen2.5-3B", "--freeze", "decoder."], "no parameter name starts with 'decoder.'"),
         (["--hf", "gpt2", "--lora-rank", "8", "--freeze", "transformer.h.0."], "--freeze and --lora-rank"),
         (["--hf", "gpt2", "--lora-alpha", "16"], "--lora-alpha needs --lora-rank"),
         (["--hf", "gpt2", "--lora-targets", "c_attn"], "--lora-targets needs --lora-rank"),
@@ -84,6 +88,33 @@ def test_predict_hf_bad_options_exit_2_naming_them(args, message, capsys, monkey
         main(["predict", "--seq-len", "16", *args])
     printed = capsys.readouterr()
     assert e.value.code == 2 and message in printed.err and printed.out == ""
+
+
+def test_both_predict_commands_default_to_the_one_default_gpu():
+    """The course GPT's ``predict`` and ``predict --hf`` answer for the same GPU when none is named: a free Colab
+    runtime's T4, defined once (prediction/devices.py)."""
+    from anatomy_helpers.cli.hf import build_hf_predict_parser
+    from anatomy_helpers.cli.main import build_predict_parser
+    from anatomy_helpers.prediction.devices import DEFAULT_GPU
+
+    assert build_predict_parser().get_default("gpu") == build_hf_predict_parser().get_default("gpu") == DEFAULT_GPU
+    assert DEFAULT_GPU == "t4"
+
+
+def test_predicts_help_names_a_shipped_model_whose_help_runs(capsys):
+    """``predict --help`` shows ``predict --hf MODEL --help`` with a real model, not a placeholder to guess."""
+    import re
+
+    from anatomy_helpers.prediction.hf import SHIPPED
+
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--help"])
+    assert e.value.code == 0
+    named = re.findall(r"predict --hf (\S+) --help", " ".join(capsys.readouterr().out.split()))
+    assert named and all(name in SHIPPED for name in named), named
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--hf", named[0], "--help"])
+    assert e.value.code == 0 and "--lora-rank" in capsys.readouterr().out
 
 
 def test_predict_hf_help_lists_its_options(capsys):

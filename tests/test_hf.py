@@ -9,7 +9,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from anatomy_helpers.prediction.dryrun import DryRunError  # noqa: E402
-from anatomy_helpers.prediction.hf import SHIPPED, build_model, hf_config, meta_parameters, tiny_config  # noqa: E402
+from anatomy_helpers.prediction.hf import (  # noqa: E402
+    SHIPPED,
+    build_model,
+    hf_config,
+    meta_parameters,
+    shipped_name,
+    tiny_config,
+)
 from anatomy_helpers.prediction.hf_step import (  # noqa: E402
     FineTune,
     dry_run_hf,
@@ -25,12 +32,17 @@ from .test_dryrun import assert_same_trace  # noqa: E402
 PUBLISHED = {
     "gpt2": 124_439_808,
     "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248,
     "mistral-7b-v0.3": 7_248_023_552,
     "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-3b": 3_085_938_688,
     "qwen2.5-7b": 7_615_616_512,
     "gemma-2-2b": 2_614_341_888,
     "phi-3-mini-4k": 3_821_079_552,
+    "phi-3.5-mini": 3_821_079_552,  # Phi-3-mini's sizes; LongRoPE's scaling adds no parameter
+    "smollm2-1.7b": 1_711_376_384,
     "mixtral-8x7b": 46_702_792_704,
 }
 
@@ -41,6 +53,17 @@ def test_every_shipped_model_has_its_published_size():
         assert meta_parameters(name) == count, name
 
 
+def test_lora_r16_trains_the_published_number_of_parameters():
+    """Llama 3.2 3B's LoRA r=16 adapters: r x (in + out) per adapted linear layer, 28 layers. On q and v:
+    28 x 16 x ((3072 + 3072) + (3072 + 1024)) = 4,587,520; on every linear layer of a block (q, k, v, o, gate, up,
+    down; peft's all-linear leaves the LM head out) 28 x 16 x (2 x 6144 + 2 x 4096 + 3 x 11264) = 24,313,856."""
+    for targets, count in ((("q_proj", "v_proj"), 4_587_520), (None, 24_313_856)):
+        ft = FineTune(method="lora", lora_rank=16, dtype="bfloat16", **({"lora_targets": targets} if targets else {}))
+        with torch.device("meta"):
+            model = make_hf_model("llama-3.2-3b", ft)
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count, targets
+
+
 def test_configs_from_a_name_a_file_a_folder_or_an_object(tmp_path):
     cfg = hf_config("llama-3.2-1b")
     assert type(cfg).__name__ == "LlamaConfig" and cfg.num_key_value_heads == 8 and cfg.tie_word_embeddings
@@ -48,11 +71,18 @@ def test_configs_from_a_name_a_file_a_folder_or_an_object(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     for where in (tmp_path / "config.json", tmp_path, str(tmp_path)):
         assert hf_config(where).to_dict() == cfg.to_dict()
+    # a shipped model by the Hub name its config.json comes from, in any case
+    assert hf_config("Qwen/Qwen2.5-3B").to_dict() == hf_config("qwen2.5-3b").to_dict()
+    assert shipped_name("META-LLAMA/Llama-3.2-3B") == "llama-3.2-3b" and shipped_name("Qwen/Qwen2.5-14B") is None
 
 
 def test_bad_models_get_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="shipped configurations.*llama-3.1-8b.*mixtral-8x7b.*never read"):
+    with pytest.raises(ValueError, match="shipped configurations.*llama-3.1-8b.*mixtral-8x7b.*never read") as e:
         hf_config("meta-llama/Llama-3.1-70B")
+    # how to get it, for this very model: the Hub page's download, huggingface_hub's CLI, a gated model's licence
+    for how in ("https://huggingface.co/meta-llama/Llama-3.1-70B", "hf download meta-llama/Llama-3.1-70B config.json"):
+        assert how in str(e.value)
+    assert "licence accepted" in str(e.value) and "hf auth login" in str(e.value)
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="no 'model_type'"):
         hf_config(tmp_path)
@@ -71,6 +101,25 @@ def test_bad_models_get_clear_errors(tmp_path):
         build_model("gpt2", experts_implementation="eager")
 
 
+def test_phi_35s_published_config_reads_without_a_note(caplog, monkeypatch):
+    """transformers notes (once per process, to stderr) that it prefers a rope ``factor`` to Phi-3.5's published
+    LongRoPE length; hf.py drops that note alone, so the CLI and the panels print nothing of it."""
+    import logging
+
+    import anatomy_helpers.prediction.hf as hf
+
+    def notes():
+        return [r for r in caplog.records if "original_max_position_embeddings" in r.getMessage()]
+
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process cache: the note would come now
+    hf_config("phi-3.5-mini"), tiny_config("phi-3.5-mini")
+    assert notes() == []
+    logging.Logger.warning_once.cache_clear()
+    monkeypatch.setattr(hf, "_not_the_longrope_length_note", lambda record: True)  # without the filter: it comes
+    hf_config("phi-3.5-mini")
+    assert len(notes()) == 1
+
+
 def test_tiny_twins_keep_each_architectures_features():
     for name in SHIPPED:
         big, tiny = hf_config(name), tiny_config(name)
@@ -87,6 +136,9 @@ def test_tiny_twins_keep_each_architectures_features():
     assert gemma.hidden_size != gemma.num_attention_heads * gemma.head_dim  # as in the 2B model
     mixtral = tiny_config("mixtral-8x7b")
     assert mixtral.num_local_experts == 4 and mixtral.num_experts_per_tok == 2
+    phi = tiny_config("phi-3.5-mini").rope_parameters  # LongRoPE: one factor per rotated pair of the tiny head
+    assert phi["rope_type"] == "longrope" and len(phi["short_factor"]) == len(phi["long_factor"]) == 8 // 2
+    assert phi["original_max_position_embeddings"] == 32 and phi["long_factor"][0] == 1.0800000429153442
 
 
 def _case(name, **fields):
@@ -122,6 +174,11 @@ SWEEP = [
     _case("qwen2.5-0.5b", autocast="bfloat16"),
     _case("gemma-2-2b", attn_implementation="eager", gradient_checkpointing=True, optimizer="momentum", foreach=True),
     _case("phi-3-mini-4k", method="lora", dtype="bfloat16", batch_size=2, micro_batches=2),
+    # Phi-3.5's LongRoPE past its original length (the tiny twin's 32 positions): the long factors, picked by a
+    # torch.where on the positions (modeling_rope_utils.longrope_frequency_update), not by Python on their values
+    _case("phi-3.5-mini", seq_len=48, batch_size=1),
+    # a Llama with multi-head attention and no rope scaling
+    _case("smollm2-1.7b", method="frozen", freeze=LAYER0, optimizer="adam"),
     # mixture of experts: transformers' default grouped_mm, whose shapes do not depend on the routing
     _case("mixtral-8x7b", dtype="bfloat16", attn_implementation="eager", gradient_checkpointing=True),
     _case("mixtral-8x7b", dtype="bfloat16", method="lora", lora_targets=("q_proj", "v_proj")),
@@ -129,11 +186,20 @@ SWEEP = [
 ]
 
 
+def _architecture(name: str) -> tuple:
+    """What a shipped model's tiny twin runs that another's may not: its configuration class, its rope scaling, and
+    whether its attention is grouped-query (the sizes aside, Llama 3.2 3B runs what Llama 3.2 1B runs)."""
+    cfg = hf_config(name)
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type")
+    kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return type(cfg).__name__, rope, kv < cfg.num_attention_heads
+
+
 def test_the_sweep_covers_every_shipped_architecture_and_every_choice():
-    """Each shipped model's tiny twin, and each value of each choice, is in the byte-for-byte sweep at least once
-    (a sweep trimmed for time that lost one would no longer test it)."""
+    """Each shipped architecture's tiny twin (:func:`_architecture`), and each value of each choice, is in the
+    byte-for-byte sweep at least once (a sweep trimmed for time that lost one would no longer test it)."""
     cases = [(p.values[0], FineTune(**p.values[1])) for p in SWEEP]
-    assert {name for name, _ in cases} == set(SHIPPED)
+    assert {_architecture(name) for name, _ in cases} == {_architecture(name) for name in SHIPPED}
     seen = lambda field: {getattr(ft, field) for _, ft in cases}  # noqa: E731
     assert seen("method") == {"full", "frozen", "lora"} and seen("attn_implementation") == {"eager", "sdpa"}
     assert seen("dtype") == {"float32", "bfloat16"} and seen("autocast") == {None, "bfloat16"}

@@ -2,6 +2,7 @@
 config."""
 
 import dataclasses
+import inspect
 import json
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ pytest.importorskip("peft")
 
 from anatomy_helpers.lessons.lesson09_finetune import (  # noqa: E402
     KINDS,
+    PANEL_MODELS,
     dry_run,
     fit_panel_hf,
     logits_at_peak,
@@ -31,7 +33,7 @@ from anatomy_helpers.lessons.lesson09_finetune import (  # noqa: E402
     tiny_llama,
     trainable,
 )
-from anatomy_helpers.prediction.hf import tiny_config  # noqa: E402
+from anatomy_helpers.prediction.hf import SHIPPED, meta_parameters, tiny_config  # noqa: E402
 from anatomy_helpers.prediction.hf_step import FineTune, dry_run_hf, make_hf_model, track_hf  # noqa: E402
 
 from .conftest import THREADS  # noqa: E402
@@ -206,6 +208,15 @@ def test_fit_panel_hf_reports_per_rank_and_refuses_a_sequence_past_the_positions
     assert "per rank" not in capsys.readouterr().out and isinstance(alone, Figure)  # zero needs ranks: ignored
     with pytest.raises(ValueError, match="has 64 positions"):
         fit_panel_hf(cfg, seq_len=128)
+
+
+def test_the_panel_offers_the_colab_size_models_and_opens_on_its_default():
+    """The panel's models are shipped ones, the Colab sizes among them, none over 4 B parameters (their dry runs
+    stay short), and it opens on its function's default (the notebook's plain call)."""
+    assert PANEL_MODELS[0] == inspect.signature(fit_panel_hf).parameters["model"].default
+    assert set(PANEL_MODELS) <= set(SHIPPED) and len(set(PANEL_MODELS)) == len(PANEL_MODELS)
+    assert {"llama-3.2-3b", "qwen2.5-1.5b", "qwen2.5-3b", "phi-3.5-mini", "smollm2-1.7b"} <= set(PANEL_MODELS)
+    assert all(meta_parameters(name) < 4e9 for name in PANEL_MODELS)
 
 
 def test_the_notebooks_colab_line_installs_the_hf_extra_as_pyproject_declares_it():

@@ -7,17 +7,22 @@ import pytest
 
 from anatomy_helpers.core.model import ModelConfig
 from anatomy_helpers.distributed.fake_world import WorldRow, model_states_rule
+from anatomy_helpers.distributed.fit import SHAPES, states_rule
 from anatomy_helpers.distributed.sync_model import ASSUMPTIONS, LINKS
 from anatomy_helpers.distributed.tensor_parallel import korthikanti_tp_terms, layer_parts, tp_dry_run
 from anatomy_helpers.lessons.lesson11_scale import (
     CATEGORIES,
     format_assumptions,
+    format_gathers,
     format_priced,
     format_shrink,
     format_step_times,
     format_tp_totals,
+    fsdp_gathers,
     per_rank_rows,
     shrink_factors,
+    states_fit,
+    stored_fit,
     sync_curves,
     tp_layers,
     tp_totals,
@@ -30,9 +35,9 @@ TP_SMALL = ModelConfig(n_layer=1, d_model=32, n_head=2, seq_len=16, dropout=0.1,
 
 
 def row(strategy: str, n: int, **sizes) -> WorldRow:
-    values = dict(parameters=0, gradients=0, optimizer_state=0, activations=0) | sizes
-    return WorldRow(strategy, n, 0, **values, communication_peak=0, peak=0, formula_model_states=1.0,
-                    rule_model_states=0, seconds=0.0)  # fmt: skip
+    values = dict(parameters=0, gradients=0, optimizer_state=0, activations=0, communication_peak=1) | sizes
+    return WorldRow(strategy, n, 0, **values, peak=0, formula_model_states=1.0, rule_model_states=0,
+                    seconds=0.0)  # fmt: skip
 
 
 def test_per_rank_rows_dry_run_each_strategy_at_its_world_sizes_to_the_rules():
@@ -46,18 +51,30 @@ def test_per_rank_rows_dry_run_each_strategy_at_its_world_sizes_to_the_rules():
 
 def test_shrink_factors_divide_the_smallest_ns_bytes_by_the_largest_ns():
     rows = [
-        row("a", 64, parameters=10, gradients=4, optimizer_state=8, activations=6),
-        row("a", 2, parameters=640, gradients=8, optimizer_state=8, activations=6),
+        row("a", 64, parameters=10, gradients=4, optimizer_state=8, activations=6, communication_peak=8),
+        row("a", 2, parameters=640, gradients=8, optimizer_state=8, activations=6, communication_peak=2),
         row("b", 8, parameters=3, gradients=3, optimizer_state=3, activations=3),
         row("b", 4, parameters=6, gradients=3, optimizer_state=9, activations=3),
     ]
     factors = shrink_factors(rows)
     assert factors == {
-        "a": {"parameters": 64.0, "gradients": 2.0, "optimizer_state": 1.0, "activations": 1.0},
-        "b": {"parameters": 2.0, "gradients": 1.0, "optimizer_state": 3.0, "activations": 1.0},
+        "a": {
+            "parameters": 64.0,
+            "gradients": 2.0,
+            "optimizer_state": 1.0,
+            "activations": 1.0,
+            "communication_peak": 0.25,
+        },
+        "b": {
+            "parameters": 2.0,
+            "gradients": 1.0,
+            "optimizer_state": 3.0,
+            "activations": 1.0,
+            "communication_peak": 1.0,
+        },
     }
     table = format_shrink(rows)
-    assert "2->64" in table and "4->8" in table and "64.0" in table
+    assert "2->64" in table and "4->8" in table and "64.0" in table and "comm peak" in table and "0.2" in table
     with pytest.raises(ValueError, match="two world sizes"):
         shrink_factors(rows[:1])
     assert set(CATEGORIES) == set(next(iter(factors.values())))
@@ -121,3 +138,30 @@ def test_format_priced_groups_each_steps_collectives_by_group_and_op():
         f"mesh 64 TP (one node) all-reduce 2 8 2.0 {ms(tp, 'seconds')} {ms(tp, 'latency')}",
         f"mesh 64 data-parallel reduce-scatter 3 8 3.0 {ms(rs, 'seconds')} {ms(rs, 'latency')}",
     ]
+
+
+def test_fsdp_gathers_pad_each_parameter_to_n_chunks_of_ceil_rows_over_n():
+    """By hand from the shapes: block 0 of a model with d_model 16 has parameters of 16 (the LayerNorms, attn.proj,
+    mlp.proj and their biases), 48 (qkv) and 64 (fc) rows; an all-gather carries N x ceil(rows / N) rows of each."""
+    model = dict(n_layer=1, d_model=16, n_head=2, seq_len=8)
+    # (rows, bytes of one row) of block 0's parameters, fp32
+    shapes = [(16, 4), (16, 4), (48, 64), (48, 4), (16, 64), (16, 4), (16, 4), (16, 4), (64, 64), (64, 4)]
+    shapes += [(16, 256), (16, 4)]
+    own = sum(r * b for r, b in shapes)
+    rows = fsdp_gathers(model, (8, 16, 32, 128))
+    for g in rows:
+        n = g.world_size
+        assert g.block_bytes == own and g.fewest_rows == 16
+        assert g.gathered == sum(n * -(-r // n) * b for r, b in shapes)
+    assert [g.padding for g in rows][:2] == [0, 0] and rows[2].padding > 0  # 32 does not divide 16 or 48
+    assert rows[3].gathered == 128 * sum(b for _, b in shapes)  # past every row count: one row per rank
+    assert "x block" in format_gathers(rows)
+
+
+def test_states_fit_adds_the_rules_states_to_the_rest_of_the_dry_run_peak():
+    fit, _ = stored_fit()
+    row = next(r for r in fit if (r.model, r.label, r.world_size) == ("70B", "tp8 x fsdp2", 1024))
+    between = states_fit(fit, world_sizes=(64, 1024))
+    assert between[-1].estimate == row.peak  # at the dry-run N: the dry run's peak
+    assert between[0].model_states == sum(states_rule(SHAPES["70B"], "tp_fsdp", 64, 8).values())
+    assert between[0].rest == between[1].rest == row.peak - row.model_states

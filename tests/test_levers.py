@@ -41,6 +41,14 @@ def test_in_backward_trains_the_same_parameters_as_the_plain_step(optimizer):
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_update_gap_is_zero_for_the_same_update_and_not_for_another():
+    from anatomy_helpers.lessons.lesson10_optimizations import update_gap
+
+    assert update_gap(SMALL, {"in_backward": True}, steps=2) == 0.0  # the same single-tensor update, bit for bit
+    assert update_gap(SMALL, {"fused": True}, steps=2) < 1e-3  # the same update up to rounding
+    assert update_gap(SMALL, {"lr": 2e-3}, steps=2) > 1e-4  # another update shows
+
+
 def test_in_backward_never_holds_every_gradient_at_once():
     plain_model, _, plain = trained(2)
     model, opt, fused = trained(2, in_backward=True)
@@ -464,3 +472,13 @@ def test_save_on_cpu_keeps_a_cpu_tensor_itself():
         t = x * 2
         z = t.sin()  # a tensor saved mid-graph: the very same storage too
     assert z.grad_fn._saved_self.data_ptr() == t.data_ptr()
+
+
+def test_save_on_cpu_with_pinned_memory_copies_even_a_cpu_tensor():
+    """The course's offload policy calls ``save_on_cpu(pin_memory=True)`` (on a GPU only): its pack hook allocates a
+    new host tensor and copies into it, so on a CPU it would keep a second copy of every saved tensor."""
+    x = torch.randn(256, requires_grad=True)
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        y = x.sin()
+    saved = y.grad_fn._saved_self
+    assert saved.data_ptr() != x.data_ptr() and torch.equal(saved, x)

@@ -3,6 +3,7 @@ one rank dry-run on the fake process group, its block's saved activations agains
 the Llama block's too (tp_plan.py's Llama plan: grouped-query heads split whole, the qkv rows in rank order), against
 the terms derived in the paper's style (LLAMA_TERMS); real gloo ranks against the dry run, in one world."""
 
+import dataclasses
 from dataclasses import asdict
 
 import pytest
@@ -22,6 +23,7 @@ from anatomy_helpers.distributed.tensor_parallel import (
     layer_parts,
     llama_tp_terms,
     tp_dry_run,
+    tp_whole_sbh,
 )
 from anatomy_helpers.distributed.tp_plan import check_tp, qkv_rank_order
 from anatomy_helpers.prediction.estimate import layer_activation_bytes
@@ -61,6 +63,53 @@ def test_each_part_is_the_formula_plus_its_known_gap_to_the_byte(runs, key):
     for p in parts:
         assert p.measured == p.formula + p.known_gap, (key, p)
     assert "total" in format_tp_layer(parts)
+
+
+# Models the formula does not assume (fp32 activations, dropout 0): their gaps are named, only for what they keep
+OFF_FORMULA = {
+    "fp32": ModelConfig(n_layer=1, d_model=64, n_head=4, seq_len=32, dropout=0.1, dtype="float32"),
+    "bf16, dropout 0": ModelConfig(n_layer=1, d_model=64, n_head=4, seq_len=32, dropout=0.0, dtype="bfloat16"),
+    "fp32, dropout 0": ModelConfig(n_layer=1, d_model=64, n_head=4, seq_len=32, dropout=0.0, dtype="float32"),
+    "llama fp32, dropout 0": ModelConfig(
+        n_layer=1, d_model=64, n_head=4, n_kv_head=2, seq_len=32, dropout=0.0, dtype="float32", block="llama"
+    ),
+}
+OFF_KEYS = [("fp32", 1, False), ("bf16, dropout 0", 2, True), ("fp32, dropout 0", 1, False)]
+OFF_KEYS += [("fp32, dropout 0", 2, True), ("llama fp32, dropout 0", 2, True)]
+
+
+@pytest.fixture(scope="module")
+def off_formula_runs():
+    return {key: tp_dry_run(OFF_FORMULA[key[0]], key[1], sequence_parallel=key[2], batch_size=2) for key in OFF_KEYS}
+
+
+@pytest.mark.parametrize("key", OFF_KEYS)
+def test_fp32_and_dropout_0_parts_are_the_formula_plus_gaps_that_name_only_what_the_model_keeps(off_formula_runs, key):
+    cfg = OFF_FORMULA[key[0]]
+    parts = compare_tp_layer(off_formula_runs[key], cfg, 2)
+    reasons = {r for p in parts for r in p.why.split(" + ") if r}
+    for p in parts:
+        assert p.measured == p.formula + p.known_gap, (key, p)
+        assert all(r in GAP_REASONS for r in p.why.split(" + ") if r) and (p.why or p.known_gap == 0), p
+    masks = [p for p in parts if p.module in ("attn.attn_drop", "attn.resid_drop", "mlp.drop")]
+    if cfg.dropout == 0:
+        assert "mask dtype" not in reasons and "no dropout" in reasons  # no mask exists to be wider
+        assert all(p.measured == 0 and p.why == "no dropout" for p in masks)
+    else:
+        assert "no dropout" not in reasons and all(p.measured > 0 for p in masks)
+    assert ("activation width" in reasons) == (cfg.dtype == "float32")
+
+
+def test_an_fp32_dropout_0_block_keeps_what_its_shapes_say(off_formula_runs):
+    """By hand, from the block's code: 4-byte activations (LayerNorms' inputs and their mean/rstd, the qkv input,
+    q, k, v, the softmax output the matmul reads, the proj input, the fc input, GELU's input and fc2's input), the
+    1-byte causal mask, and nothing for the dropouts."""
+    cfg = OFF_FORMULA["fp32, dropout 0"]
+    s, b, h, a = cfg.seq_len, 2, cfg.d_model, cfg.n_head
+    sbh = s * b * h
+    expected = 4 * (2 * sbh + 2 * 2 * b * s + sbh + 3 * sbh + a * s * s * b + sbh + sbh + 4 * sbh + 4 * sbh) + s * s
+    parts = compare_tp_layer(off_formula_runs["fp32, dropout 0", 1, False], cfg, 2)
+    assert sum(p.measured for p in parts) == expected
 
 
 def test_sharded_parts_shrink_t_fold_and_the_rest_only_with_sequence_parallelism(runs):
@@ -333,3 +382,15 @@ def test_the_lessons_tables_print_each_term_and_each_part(llama_runs):
     last = table.splitlines()[-1].split()
     assert last[0] == "total" and len(last) == 7
     assert last[1] == f"{sum(layer_parts(llama_runs[(2, False)].trace).values()):,}"
+
+
+def test_what_tp_leaves_whole_counts_the_models_own_width_and_masks():
+    """By hand: GPT-2's unsharded terms are the LayerNorm inputs (4 sbh), the QKV and fc1 inputs (2 + 2) and two
+    1-byte residual masks (1 + 1): 10 in 16 bits with dropout; fp32 doubles the 2-byte terms (16 + 2 = 18); dropout
+    0 drops the masks (16 in fp32). Llama's: both RMSNorms' tensors (4 + 4), the qkv and gate/up inputs, the masks."""
+    gpt2 = ModelConfig(n_layer=1, d_model=32, n_head=2, seq_len=8, dropout=0.1, dtype="bfloat16")
+    assert tp_whole_sbh(gpt2) == 10
+    assert tp_whole_sbh(dataclasses.replace(gpt2, dtype="float32")) == 18
+    assert tp_whole_sbh(dataclasses.replace(gpt2, dtype="float32", dropout=0.0)) == 16
+    assert tp_whole_sbh(dataclasses.replace(gpt2, dropout=0.0)) == 8
+    assert tp_whole_sbh(dataclasses.replace(gpt2, block="llama")) == 14

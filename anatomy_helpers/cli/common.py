@@ -9,7 +9,7 @@ import dataclasses
 import json
 
 from ..core.checks import int_in, positive_int, positive_number
-from ..prediction.devices import DEVICES, gib_device
+from ..prediction.devices import DEFAULT_GPU, DEVICES, gib_device
 from ..prediction.fit import IMPLEMENTATION_FLAGS
 from ..prediction.fixes import fixes_table
 from ..training.step import AUTOCAST_CHOICES
@@ -100,9 +100,10 @@ def print_fit(report, fixes, device, *, as_json: bool, fix: bool = False, **extr
         print(FITS_AS_IT_IS)
 
 
-def add_fit_options(p: argparse.ArgumentParser, *, gpu_default: str) -> None:
+def add_fit_options(p: argparse.ArgumentParser) -> None:
     """The options both ``predict`` commands take: gradient accumulation, the optimizer's implementation, autocast,
-    the device (a named GPU or a size in GiB), ``--json`` and ``--fix``."""
+    the device (a named GPU, :data:`~anatomy_helpers.prediction.devices.DEFAULT_GPU` unless given, or a size in
+    GiB), ``--json`` and ``--fix``."""
 
     p.add_argument(
         "--micro-batches", type=positive_int_arg, default=1, help="gradient accumulation: micro-batches per step, "
@@ -116,8 +117,8 @@ def add_fit_options(p: argparse.ArgumentParser, *, gpu_default: str) -> None:
         "--gpu",
         type=str.lower,
         choices=tuple(DEVICES),
-        default=gpu_default,
-        help=f"the device (default: {gpu_default})",
+        default=DEFAULT_GPU,
+        help=f"the device (default: {DEFAULT_GPU}, a free Colab runtime's GPU)",
     )
     gpu.add_argument("--gpu-gib", type=positive_gib_arg, default=None, help="a device of this many GiB instead")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")

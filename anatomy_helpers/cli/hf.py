@@ -28,7 +28,10 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
         "process group.",
     )
     p.add_argument(
-        "--hf", required=True, metavar="MODEL", help=f"a config.json (or its folder), or one of {', '.join(SHIPPED)}"
+        "--hf",
+        required=True,
+        metavar="MODEL",
+        help=f"a config.json (or its folder), or one of {', '.join(SHIPPED)} (or its Hub name, e.g. Qwen/Qwen2.5-3B)",
     )
     p.add_argument("--seq-len", type=positive_int_arg, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--batch-size", type=positive_int_arg, default=1, help="sequences per step and rank (default: 1)")
@@ -52,7 +55,7 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=positive_int_arg, default=1, help="data-parallel ranks (default: 1)")
     p.add_argument("--zero", type=int, choices=tuple(ZERO_STRATEGIES), default=None,
                    help="ZeRO stage with --world-size > 1 (default: 0, DDP)")  # fmt: skip
-    add_fit_options(p, gpu_default="a100-80")
+    add_fit_options(p)
     return p
 
 

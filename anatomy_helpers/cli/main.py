@@ -89,7 +89,8 @@ def build_predict_parser() -> argparse.ArgumentParser:
         prog="python -m anatomy_helpers predict",
         description="Dry-run two training steps (fake tensors: nothing is allocated) and say whether they fit on a "
         "GPU, and if not, which phase of which step runs out first. For a Hugging Face model's fine-tune: "
-        "predict --hf MODEL (see predict --hf x --help).",
+        "predict --hf MODEL, MODEL a shipped configuration (e.g. qwen2.5-1.5b, or its Hub name Qwen/Qwen2.5-1.5B) "
+        "or a config.json; its options: predict --hf qwen2.5-1.5b --help.",
     )
     p.add_argument("--block", choices=("gpt2", "llama"), default="gpt2", help="block (default: gpt2)")
     _add_step_options(p, f"transformer blocks, at most {MAX_LAYERS}")
@@ -116,7 +117,7 @@ def build_predict_parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=positive_int_arg, default=None, help="with --checkpoint every_k: blocks per "
         "checkpointed segment (default: 1)"
     )  # fmt: skip
-    add_fit_options(p, gpu_default="t4")
+    add_fit_options(p)
     return p
 
 

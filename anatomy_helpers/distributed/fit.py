@@ -33,8 +33,9 @@ from .ranks import RankJob
 
 #: Model shapes of the GPT-2 block (LayerNorm, 4h GELU MLP, biases, tied embeddings) at the widths and depths of
 #: LLaMA 7B and Llama 2 70B (Touvron et al. 2023), with sdpa attention (no s x s scores kept) and fp32 weights,
-#: gradients and AdamW state: 16 bytes a parameter, as the ZeRO paper's mixed-precision Adam. A sequence of 4,096
-#: tokens, one row per data-parallel rank.
+#: gradients and AdamW state: 4 + 4 + 8 = 16 bytes a parameter, the total of the ZeRO paper's mixed-precision Adam
+#: but not its split (2 + 2 + 12: a rank that keeps whole weights and gradients, DDP's or ZeRO-1's, holds 8 bytes of
+#: them here against the paper's 4). Dropout 0. A sequence of 4,096 tokens, one row per data-parallel rank.
 SHAPES = {
     "7B": dict(n_layer=32, d_model=4096, n_head=32, seq_len=4096, vocab_size=32000, attn_impl="sdpa"),
     "70B": dict(n_layer=80, d_model=8192, n_head=64, seq_len=4096, vocab_size=32000, attn_impl="sdpa"),

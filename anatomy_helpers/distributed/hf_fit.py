@@ -25,6 +25,7 @@ import functools
 import torch.nn as nn
 
 from ..core.checks import one_of, positive_int
+from ..prediction.devices import DEFAULT_GPU
 from ..prediction.dryrun import check_ops
 from ..prediction.fit import trace_fit_report
 from ..prediction.fit_report import FitReport, size_text
@@ -134,7 +135,7 @@ def _check_request(model, ft: FineTune, device, world_size: int, zero: int | Non
 def will_it_fit_hf(
     model,
     fine_tune: FineTune | None = None,
-    device="a100-80",
+    device=DEFAULT_GPU,
     *,
     world_size: int = 1,
     zero: int | None = None,
@@ -158,7 +159,7 @@ def will_it_fit_hf(
 
 
 def cheapest_fix_hf(
-    model, fine_tune: FineTune | None = None, device="a100-80", *, world_size: int = 1, zero: int | None = None
+    model, fine_tune: FineTune | None = None, device=DEFAULT_GPU, *, world_size: int = 1, zero: int | None = None
 ) -> list[Fix]:
     """Candidate changes of ``fine_tune`` on ``model``, each dry-run (per rank with ``world_size > 1``, as
     :func:`will_it_fit_hf`), ranked by the course's one key (prediction/levers.py: what fits first, then what

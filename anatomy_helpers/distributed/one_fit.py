@@ -18,6 +18,7 @@ import dataclasses
 from ..core.model import ModelConfig
 from ..prediction import fit
 from ..prediction.cuda_rules import CPU_RULES
+from ..prediction.devices import DEFAULT_GPU
 from ..prediction.fit import course_assumptions, trace_fit_report, usable_device
 from ..prediction.fit_report import FitReport
 from ..prediction.hf_step import FineTune
@@ -34,7 +35,7 @@ def will_it_fit(
     model: ModelConfig | str | object | None = None,
     batch_size: int | None = None,
     *,
-    device="t4",
+    device=DEFAULT_GPU,
     world_size: int = 1,
     zero: int | None = None,
     fine_tune: FineTune | None = None,

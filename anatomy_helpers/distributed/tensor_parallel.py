@@ -30,7 +30,7 @@ from ..core.model import GPT, ModelConfig
 from ..core.tables import Col, format_table
 from ..prediction.dryrun import build_fake_model, check_ops, course_batch, twin_config
 from ..prediction.fake_check import CheckedFakeTensorMode
-from ..prediction.formulas import korthikanti_terms
+from ..prediction.formulas import MASK_TERMS, korthikanti_terms
 from ..training.step import StepPlan, run_step
 from ..training.train import make_optimizer
 from .fake_world import COLLECTIVE_NAMESPACES, check_no_process_group, fake_process_group
@@ -137,6 +137,22 @@ def block_tp_terms(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool = F
     return korthikanti_tp_terms(s, b, h, a, t, sequence_parallel)
 
 
+def tp_whole_sbh(cfg: ModelConfig) -> float:
+    """What plain tensor parallelism leaves whole on every rank, per layer, in units of ``sbh`` bytes, at ``cfg``'s
+    own activation width: the formula's unsharded terms (GPT-2: the LayerNorm inputs, the QKV and fc1 inputs, the
+    two residual dropout masks; Llama: :data:`LLAMA_TERMS`' whole rows), each 2-byte term at the model's element
+    size, masks at 1 byte, and no mask at dropout 0. The paper's count (16-bit, dropout on) is 10 for GPT-2's
+    block; an fp32 block with dropout 0 keeps 16."""
+    elem = torch.empty(0, dtype=cfg.torch_dtype).element_size()
+    sharded = {term for term, *_, split in LLAMA_TERMS if split} if cfg.block == "llama" else set(TP_SHARDED_TERMS)
+    whole = 0.0
+    for term, v in block_tp_terms(cfg, 1, 1).items():
+        if term in sharded or (not cfg.dropout and term in DROPOUT_TERMS):
+            continue
+        whole += v if term in MASK_TERMS else v * elem / 2
+    return whole / (cfg.seq_len * cfg.d_model)
+
+
 #: DTensor's warning on CPU meshes (torch/distributed/tensor/_random.py), silenced inside :func:`tp_dry_run` only.
 DTENSOR_RNG_WARNING = "DTensor random operators may not have complete support on cpu device mesh"
 
@@ -225,8 +241,13 @@ GAP_REASONS = {
     "RMS": "RMSNorm's rms (b x s, per RMSNorm), which the formula leaves out",
     "gathered input": "torch's ColwiseParallel all-gathers the sequence shards before the GEMM and autograd saves "
     "the whole input; Megatron's sequence parallelism saves the shard and gathers it again in backward",
+    "activation width": "the formula counts 16-bit activations (2 bytes an element); a model in a wider dtype (fp32: "
+    "4 bytes) keeps every term but the masks that many times larger",
+    "no dropout": "dropout 0: no dropout keeps a mask, and attention's matmul reads the softmax output itself, so "
+    "the formula's masks and its dropout output are not kept",
 }
-_MASKS = ("attn.attn_drop", "attn.resid_drop", "mlp.drop")
+#: The formula's terms that exist only with dropout on: the three masks and the attention dropout's output.
+DROPOUT_TERMS = (*MASK_TERMS, "dropout output")
 
 
 @dataclass(frozen=True)
@@ -237,37 +258,65 @@ class TPPart:
     measured: int
     formula: float
     known_gap: int  # what GAP_REASONS accounts for: measured == formula + known_gap when the rules hold
-    why: str  # a key of GAP_REASONS, or ""
+    why: str  # the keys of GAP_REASONS that make the gap, joined by " + ", or ""
+
+
+def term_gaps(cfg: ModelConfig, b: int, t: int, sequence_parallel: bool = False) -> dict[str, dict[str, float]]:
+    """The known gaps of one block on one of ``t`` ranks, by the module they fall in: ``{module: {reason: bytes}}``
+    (reasons are keys of :data:`GAP_REASONS`; a module without a gap is absent). Each rule from the model's own
+    configuration: its activation dtype (the formula's terms are 16-bit, its masks 1 byte), whether dropout is on
+    (with dropout 0 there is no mask and no dropout output), its attention (the manual one saves the causal mask),
+    its norms' statistics and sequence parallelism's gathered inputs."""
+    s, h = cfg.seq_len, cfg.d_model
+    llama = cfg.block == "llama"
+    elem = torch.empty(0, dtype=cfg.torch_dtype).element_size()
+    where = LLAMA_TERM_MODULE if llama else TERM_MODULE
+    gaps: dict[str, dict[str, float]] = {}
+
+    def add(module: str, reason: str, value: float) -> None:
+        if value:
+            mine = gaps.setdefault(module, {})
+            mine[reason] = mine.get(reason, 0) + value
+
+    for term, v in block_tp_terms(cfg, b, t, sequence_parallel).items():
+        if not cfg.dropout and term in DROPOUT_TERMS:
+            add(where[term], "no dropout", -v)  # nothing of it is kept
+        elif term in MASK_TERMS:  # the formula counts 1 byte per mask element
+            add(where[term], "mask dtype", v * (elem - 1))
+        else:  # the formula counts 2 bytes per element
+            add(where[term], "activation width", v * (elem - 2) / 2)
+    if cfg.attn_impl == "manual":
+        add("attn", "causal mask", s * s)
+    norm_stats = 1 if llama else 2  # per token: RMSNorm's rms; LayerNorm's mean and rstd
+    add("ln1+ln2", "RMS" if llama else "LN mean/rstd", 2 * norm_stats * b * (s // t if sequence_parallel else s) * elem)
+    if sequence_parallel:
+        formula = formula_parts(cfg, b, t, sequence_parallel)
+        for module in ("attn.qkv", "mlp.gate") if llama else ("attn.qkv", "mlp.fc"):  # ColwiseParallel's inputs
+            add(module, "gathered input", (2 * s * b * h - formula[module]) * elem / 2)  # the whole input, not 1/t
+    return gaps
 
 
 def compare_tp_layer(run: TPRun, cfg: ModelConfig, batch_size: int, layer: int = 0) -> list[TPPart]:
     """Block ``layer`` of a :func:`tp_dry_run` part by part against :func:`formula_parts` (GPT-2's or Llama's
-    block), with the gap each known difference makes (16-bit models: the formula assumes 2-byte activations; fp32
-    doubles every term)."""
-    s, b, h, t, sp = cfg.seq_len, batch_size, cfg.d_model, run.t, run.sequence_parallel
-    llama = cfg.block == "llama"
-    if llama and b == 1 and cfg.kv_heads == cfg.n_head:
+    block, the paper's 16-bit terms), with the gap each known difference makes (:func:`term_gaps`: a model in
+    fp32 or with dropout 0 has gaps of its own, and names only the masks it keeps)."""
+    b = batch_size
+    if cfg.block == "llama" and b == 1 and cfg.kv_heads == cfg.n_head:
         raise ValueError(
             "the Llama terms assume a micro-batch b > 1 or grouped-query attention: at b = 1 with one key/value head "
             "per query head the core's matmul keeps v as a view of the whole qkv output (its q and k columns too)"
         )
-    elem = torch.empty(0, dtype=cfg.torch_dtype).element_size()
     measured = layer_parts(run.trace, layer)
-    formula = formula_parts(cfg, b, t, sp)
-    norm_stats = 1 if llama else 2  # per token: RMSNorm's rms; LayerNorm's mean and rstd
-    gathered = ("attn.qkv", "mlp.gate") if llama else ("attn.qkv", "mlp.fc")  # ColwiseParallel's gathered inputs
+    formula = formula_parts(cfg, b, run.t, run.sequence_parallel)
+    gaps = term_gaps(cfg, b, run.t, run.sequence_parallel)
     rows = []
     for module in sorted(set(measured) | set(formula)):
-        gap, why = 0, ""
-        if module in _MASKS:  # the formula counts 1 byte per mask element
-            gap, why = int(formula[module]) * (elem - 1), "mask dtype"
-        elif module == "attn" and cfg.attn_impl == "manual":
-            gap, why = s * s, "causal mask"
-        elif module == "ln1+ln2":
-            gap, why = 2 * norm_stats * b * (s // t if sp else s) * elem, "RMS" if llama else "LN mean/rstd"
-        elif module in gathered and sp:
-            gap, why = int(2 * s * b * h - formula[module]), "gathered input"
-        rows.append(TPPart(module, measured.get(module, 0), formula.get(module, 0.0), gap, why))
+        mine = gaps.get(module, {})
+        gap = sum(mine.values())
+        if gap != int(gap):
+            raise AssertionError(f"{module}: a gap of {gap} bytes is not whole")  # the rules give whole bytes
+        why = " + ".join(mine)
+        rows.append(TPPart(module, measured.get(module, 0), formula.get(module, 0.0), int(gap), why))
     return rows
 
 

@@ -16,7 +16,7 @@ from ..core.model import ModelConfig
 from ..core.tables import Col, format_table
 from ..core.units import GiB, MiB, pick_unit
 from ..prediction.cuda_rules import CudaRuleError
-from ..prediction.devices import get_device
+from ..prediction.devices import DEFAULT_GPU, get_device
 from ..prediction.dryrun import dry_run_config
 from ..prediction.estimate import estimate_step, impl_of, textbook_estimates
 from ..prediction.fit import STEP_PHASES, describe, will_it_fit
@@ -195,7 +195,7 @@ def fit_panel(
     optimizer: str = "adamw",
     implementation: str = "foreach",
     checkpoint: str = "none",
-    device: str = "t4",
+    device: str = DEFAULT_GPU,
 ):
     """The notebook's slider panel: dry-run a configuration, print the fit table, return the plot."""
     cfg = ModelConfig(

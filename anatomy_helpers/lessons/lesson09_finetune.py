@@ -18,6 +18,7 @@ import torch
 from ..core.tables import Col, format_table
 from ..core.units import GiB, KiB, pick_unit
 from ..distributed.hf_fit import dry_run_hf_rank, will_it_fit_hf
+from ..prediction.devices import DEFAULT_GPU
 from ..prediction.formulas import korthikanti_layer_bytes
 from ..prediction.hf import hf_config, meta_parameters, tiny_config
 from ..prediction.hf_fit import MODEL_STATES
@@ -278,8 +279,18 @@ def rules_table(rows: list[RuleRow]) -> str:
 
 # ---- the will-it-fit panel ------------------------------------------------------------------------------------
 
-#: The panel's models: the shipped ones whose two-step dry run takes seconds on a laptop.
-PANEL_MODELS = ("llama-3.2-1b", "qwen2.5-0.5b")
+#: The panel's models: the shipped ones up to 4 B parameters, the sizes a learner fine-tunes on a free Colab
+#: runtime, smallest first after the two the lesson starts with (the panel opens on the first); the 7 B and 8 B
+#: models are the CLI's (README's "Will it fit?").
+PANEL_MODELS = (
+    "llama-3.2-1b",
+    "qwen2.5-0.5b",
+    "qwen2.5-1.5b",
+    "smollm2-1.7b",
+    "qwen2.5-3b",
+    "llama-3.2-3b",
+    "phi-3.5-mini",
+)
 
 
 def panel_fine_tune(lora_rank: int, batch_size: int, seq_len: int) -> FineTune:
@@ -318,7 +329,7 @@ def dry_run(model, ft: FineTune, world_size: int = 1, zero: int = 0) -> Trace:
 
 def fit_panel_hf(
     model: str = "llama-3.2-1b",
-    device: str = "t4",
+    device: str = DEFAULT_GPU,
     world_size: int = 2,
     zero: int = 3,
     lora_rank: int = 0,

@@ -51,7 +51,8 @@ EIGHT_BIT = Lever(
     "8-bit state (bitsandbytes)",
     ("optimizer_state",),
     "numerics",
-    "bitsandbytes' AdamW8bit: uint8 moments + a float32 scale per 256",
+    "bitsandbytes' AdamW8bit: uint8 moments + a float32 scale per 256 from 4,096 elements on (min_8bit_size), "
+    "float32 moments below",
     step={"optimizer": "adamw8bit"},
 )
 #: Lesson 03's implementations as levers (the baseline is torch's default: single-tensor on a CPU, foreach on CUDA).
@@ -66,7 +67,8 @@ OFFLOAD = Lever(
     "save_on_cpu offload",
     ("activations",),
     "time only",
-    "the blocks' saved tensors copied to host memory in forward, back in backward; on a CPU they are there already",
+    "the blocks' saved tensors copied to pinned host memory in forward, back in backward; on a GPU only (on a CPU "
+    "they are in host memory already, and save_on_cpu(pin_memory=True) would copy them)",
     config={"checkpoint": "offload"},
 )
 #: Gradient accumulation (lesson 08): the logits-bound batch as micro-batches of one row, one optimizer step.
@@ -264,6 +266,20 @@ def loss_gap(cfg: dict, names: tuple[str, ...], steps: int = 30, batch_size: int
         optimizer = make_optimizer(model, name)
         out[name] = [run_step(model, optimizer, StepPlan(batch_size=batch_size), i) for i in range(steps)]
     return out
+
+
+def update_gap(cfg: dict, options: dict, steps: int = 5, batch_size: int = 8) -> float:
+    """The largest absolute difference between the parameters after ``steps`` untracked AdamW steps of ``cfg`` on
+    the CPU with ``options`` (``make_optimizer``'s keywords: ``fused=True``, ``in_backward=True``) and with torch's
+    default implementation (same seed, same batches): 0.0 when the updates agree bit for bit."""
+    trained = []
+    for opts in ({}, options):
+        model = make_model(device="cpu", **cfg)
+        optimizer = make_optimizer(model, "adamw", **opts)
+        for i in range(steps):
+            run_step(model, optimizer, StepPlan(batch_size=batch_size, read_loss=False), i)
+        trained.append([p.detach() for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*trained))
 
 
 def compile_memory(cfg: dict, batch_size: int, device=None) -> dict[str, int]:

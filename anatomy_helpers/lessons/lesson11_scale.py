@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from ..core.model import ModelConfig
+from ..core.model import GPT, ModelConfig
 from ..core.tables import Col, format_table
-from ..core.units import MiB
-from ..distributed.fake_world import WorldRow, world_rows
-from ..distributed.fit import FIGURES, RankMemory, dry_run_memory, from_records
+from ..core.units import KiB, MiB
+from ..distributed.fake_world import WorldRow, fsdp_collectives_rule, world_rows
+from ..distributed.fit import FIGURES, SHAPES, RankMemory, dry_run_memory, from_records, states_rule
 from ..distributed.sync_model import ASSUMPTIONS, LINKS, Link, StepTime, expected_max, scaling_curve
 from ..distributed.tensor_parallel import TPPart, compare_tp_layer, korthikanti_tp_terms, tp_dry_run
 from ..distributed.timed_step import TimedJob, measure_timed_world
@@ -29,7 +30,12 @@ CONFIG = dict(n_layer=2, d_model=128, n_head=4, seq_len=64)
 # N), so the lesson stops it at 64 to stay within a minute on a laptop.
 WORLD_SIZES = (2, 8, 64, 1024, 4096)
 FSDP_WORLD_SIZES = (2, 8, 64)
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+# What the shrink table follows: the model states, the activations and the communication buffers' peak.
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_peak")
+# Where the lesson follows FSDP2's all-gather buffers (fsdp_collectives_rule: the shapes alone, any N), and the one
+# N past the block's fewest rows (128) at which it dry-runs a rank to check the rule and measure the peak.
+GATHER_WORLD_SIZES = (8, 64, 128, 256, 1024, 4096)
+GATHER_CHECK_N = 256
 
 # Section 2: 16-bit activations and dropout on, as the formula assumes; 8 heads so that t = 8 leaves one per rank.
 TP_CONFIG = ModelConfig(n_layer=2, d_model=128, n_head=8, seq_len=64, dropout=0.1, dtype="bfloat16")
@@ -73,8 +79,9 @@ def per_rank_rows(
 
 
 def shrink_factors(rows: Sequence[WorldRow]) -> dict[str, dict[str, float]]:
-    """How many times smaller each category is on a rank at a strategy's largest N than at its smallest:
-    ``{strategy: {category: bytes at smallest N / bytes at largest N}}`` (1.0: it does not shrink with N)."""
+    """How many times smaller each of :data:`CATEGORIES` is on a rank at a strategy's largest N than at its smallest:
+    ``{strategy: {category: bytes at smallest N / bytes at largest N}}`` (1.0: it does not shrink with N; under 1:
+    it grows)."""
     out: dict[str, dict[str, float]] = {}
     for strategy in dict.fromkeys(r.strategy for r in rows):
         mine = sorted((r for r in rows if r.strategy == strategy), key=lambda r: r.world_size)
@@ -87,12 +94,54 @@ def shrink_factors(rows: Sequence[WorldRow]) -> dict[str, dict[str, float]]:
 
 def format_shrink(rows: Sequence[WorldRow]) -> str:
     """:func:`shrink_factors` as a table, one strategy a row, with the N range it spans."""
-    cols = [Col("strategy", 12, align="<"), Col("N", 10, align="<")] + [Col(c, 15, ".1f") for c in CATEGORIES]
+    names = {"communication_peak": "comm peak"}
+    cols = [Col("strategy", 12, align="<"), Col("N", 10, align="<")]
+    cols += [Col(names.get(c, c), 15, ".1f") for c in CATEGORIES]
     out = []
     for strategy, factors in shrink_factors(rows).items():
         ns = sorted(r.world_size for r in rows if r.strategy == strategy)
         out.append([strategy, f"{ns[0]}->{ns[-1]}"] + [factors[c] for c in CATEGORIES])
     return format_table(cols, out, note="(x smaller per rank from the smallest N to the largest)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherRow:
+    """FSDP2's all-gather of one block at one N (bytes), from :func:`~anatomy_helpers.distributed.fake_world.
+    fsdp_collectives_rule`: each parameter's dim 0 chunked into N shards of ``ceil(rows / N)`` rows, padded to that,
+    and the all-gather's output is N of them (torch's ``_fsdp_param.py``: ``padded_sharded_param_size``)."""
+
+    world_size: int
+    block_bytes: int  # block 0's own parameters
+    gathered: int  # block 0's all-gather output: N x its padded shard
+    fewest_rows: int  # the smallest dim 0 of block 0's parameters: past it N x ceil(rows / N) > rows
+
+    @property
+    def padding(self) -> int:
+        return self.gathered - self.block_bytes
+
+
+def fsdp_gathers(model: dict = CONFIG, world_sizes: Sequence[int] = GATHER_WORLD_SIZES) -> list[GatherRow]:
+    """Block 0's FSDP2 all-gather at each of ``world_sizes`` (:class:`GatherRow`), from the shapes alone."""
+    with torch.device("meta"):
+        block = GPT(ModelConfig(**model)).blocks[0]
+    own = sum(p.numel() * p.element_size() for p in block.parameters())
+    fewest = min(p.shape[0] for p in block.parameters())
+    # forward's second all-gather is block 0's (the root's comes first)
+    return [GatherRow(n, own, fsdp_collectives_rule(model, n)[1].bytes, fewest) for n in world_sizes]
+
+
+def format_gathers(rows: Sequence[GatherRow]) -> str:
+    """:func:`fsdp_gathers` as a table (KiB)."""
+    cols = [
+        Col("N", 5, "d"),
+        Col("block", 8, ",.0f"),
+        Col("all-gather", 10, ",.0f"),
+        Col("padding", 8, ",.0f"),
+        Col("x block", 7, ".2f"),
+    ]
+    out = [[r.world_size, r.block_bytes / KiB, r.gathered / KiB, r.padding / KiB, r.gathered / r.block_bytes]
+           for r in rows]  # fmt: skip
+    return format_table(cols, out, note="(KiB; block 0's FSDP2 all-gather output, by the rule)")
 
 
 # ---- section 2: tensor parallelism -------------------------------------------------------------------------------
@@ -369,6 +418,36 @@ def stored_fit() -> tuple[list, dict]:
 
     record = json.loads(FIT_REFERENCE.read_text(encoding="utf-8"))
     return from_records(record.pop("rows")), record
+
+
+@dataclasses.dataclass(frozen=True)
+class StatesFit:
+    """One N between a fit table's sizes, estimated: the model states by the exact rules at N, and the rest of the
+    peak (peak minus model states) held at its value where it was dry-run (bytes)."""
+
+    world_size: int
+    model_states: int
+    rest: int  # peak - model states of the dry-run row it was taken from
+
+    @property
+    def estimate(self) -> int:
+        return self.model_states + self.rest
+
+
+def states_fit(
+    fit: Sequence[RankMemory],
+    model: str = "70B",
+    label: str = "tp8 x fsdp2",
+    at: int = 1024,
+    world_sizes: Sequence[int] = (8, 16, 32, 64, 128, 256, 512, 1024),
+) -> list[StatesFit]:
+    """Between the sizes of a fit table (:func:`stored_fit`): ``model``'s rank under ``label`` at each of
+    ``world_sizes``, its model states by :func:`~anatomy_helpers.distributed.fit.states_rule` (exact at any N) plus
+    the rest of its peak as dry-run at N = ``at``. An estimate: the rest moves a little with N (compare the table's
+    rows), so a dry run at the N it names settles it."""
+    row = next(r for r in fit if (r.model, r.label, r.world_size) == (model, label, at))
+    rest = row.peak - row.model_states
+    return [StatesFit(n, sum(states_rule(SHAPES[model], row.strategy, n, row.tp).values()), rest) for n in world_sizes]
 
 
 def mesh_comparison(rows: Sequence[WorldRow], model: dict = CONFIG, world_size: int = MESH_WORLD, tp: int = MESH_TP):

@@ -76,6 +76,10 @@ DEVICES: dict[str, Device] = {
     "h200": _nvidia("H200", 143_771, (9, 0)),
 }
 
+#: The GPU a prediction is for when none is named (both ``predict`` commands, the will-it-fit functions, the
+#: panels): a free Colab runtime's T4, what a learner has.
+DEFAULT_GPU = "t4"
+
 THIS_GPU = "this GPU"
 
 

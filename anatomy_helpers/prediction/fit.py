@@ -39,7 +39,7 @@ from .cuda_rules import (
     rules_text,
     sdpa_backend,
 )
-from .devices import Device, get_device
+from .devices import DEFAULT_GPU, Device, get_device
 from .dryrun import dry_run_config
 from .fit_report import FitReport, PhaseNeed, assumed_bytes, size_text
 
@@ -134,7 +134,7 @@ class FitRequest:
     optimizer: str = "adamw"  # one of train.OPTIMIZER_NAMES
     implementation: str = "foreach"  # the optimizer's: "single", "foreach" (torch's CUDA default), "fused"
     autocast: str | None = None  # None, "bfloat16" or "float16"
-    device: str | int | Device = "t4"  # a short name, "this GPU", a total in bytes, or a Device
+    device: str | int | Device = DEFAULT_GPU  # a short name, "this GPU", a total in bytes, or a Device
     micro_batches: int = 1  # gradient accumulation: batch_size // micro_batches sequences per forward
     in_backward: bool = False  # the optimizer step fused into backward (step.OptimizerInBackward)
 

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import logging
 import math
 from importlib import resources
 from pathlib import Path
@@ -28,12 +29,17 @@ from ..core.checks import one_of
 SHIPPED = {
     "gpt2": "openai-community/gpt2",
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
     "mistral-7b-v0.3": "mistralai/Mistral-7B-v0.3",
     "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen2.5-3b": "Qwen/Qwen2.5-3B",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B",
     "gemma-2-2b": "google/gemma-2-2b",
     "phi-3-mini-4k": "microsoft/Phi-3-mini-4k-instruct",
+    "phi-3.5-mini": "microsoft/Phi-3.5-mini-instruct",
+    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B",
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
 }
 
@@ -114,23 +120,71 @@ def check_complete(fields: dict, where: str) -> None:
         )
 
 
+def _not_the_longrope_length_note(record: logging.LogRecord) -> bool:
+    return "rope_parameters['original_max_position_embeddings']` field" not in record.getMessage()
+
+
+def _for_model(fields: dict):
+    """``AutoConfig.for_model(**fields)``. Phi-3.5's config.json gives LongRoPE's original length as published, which
+    transformers reads with a note (once per process, to stderr) that it prefers a ``factor`` field: that note
+    alone is dropped; every other message of that logger passes."""
+    transformers = require_transformers()
+    log = logging.getLogger("transformers.modeling_rope_utils")
+    log.addFilter(_not_the_longrope_length_note)
+    try:
+        return transformers.AutoConfig.for_model(**fields)
+    finally:
+        log.removeFilter(_not_the_longrope_length_note)
+
+
 def _shipped_dict(name: str) -> dict:
     text = resources.files(__package__).joinpath("hf_configs", f"{name}.json").read_text()
     return json.loads(text)
 
 
+def how_to_get_config(repo: str = "OWNER/NAME") -> str:
+    """How to get the config.json of the Hub repository ``repo`` (a model that is not shipped), said once: the
+    refusal of :func:`hf_config` (so the CLI's) ends with it."""
+    folder = repo.rsplit("/", 1)[-1].lower()
+    return (
+        f"download its config.json: the 'Files and versions' tab of https://huggingface.co/{repo}, or "
+        f"`hf download {repo} config.json --local-dir {folder}` (huggingface_hub's CLI; `huggingface-cli download` "
+        "before 0.34), or `AutoConfig.from_pretrained(...).to_json_file('config.json')` on a machine with Hub "
+        "access; a gated model (Llama, Gemma) needs its licence accepted on its Hub page first, then a token "
+        f"(`hf auth login`, or `--token`); then pass the file or its folder ({folder})"
+    )
+
+
+def shipped_name(model) -> str | None:
+    """The shipped configuration ``model`` names (:data:`SHIPPED`): its shipped name or the Hub repository it
+    copies (``"Qwen/Qwen2.5-3B"``), either in any case; None for anything else."""
+    if not isinstance(model, (str, Path)):
+        return None
+    key = str(model).lower()
+    hub = {repo.lower(): name for name, repo in SHIPPED.items()}
+    return key if key in SHIPPED else hub.get(key)
+
+
+def _hub_name(model) -> tuple[str, ...]:
+    """``(model,)`` when it reads as a Hub repository (``owner/name``), else ``()``."""
+    parts = str(model).split("/")
+    looks = len(parts) == 2 and all(parts) and not str(model).startswith((".", "~")) and parts[1] != "config.json"
+    return (model,) if isinstance(model, str) and looks else ()
+
+
 def hf_config(model):
-    """A ``transformers.PretrainedConfig`` from a shipped name (:data:`SHIPPED`), a local ``config.json`` (its
-    path, or the folder holding it) or a configuration object (returned as it is). Never reads the Hub."""
+    """A ``transformers.PretrainedConfig`` from a shipped configuration (:func:`shipped_name`: its name or its Hub
+    repository's), a local ``config.json`` (its path, or the folder holding it) or a configuration object (returned
+    as it is). Never reads the Hub."""
     transformers = require_transformers()
     if isinstance(model, transformers.PretrainedConfig):
         return model
+    name = shipped_name(model)
+    if name is not None:
+        fields = _shipped_dict(name)
+        check_complete(fields, f"the shipped {name}.json")
+        return _for_model(fields)
     if isinstance(model, (str, Path)):
-        key = str(model).lower()
-        if key in SHIPPED:
-            fields = _shipped_dict(key)
-            check_complete(fields, f"the shipped {key}.json")
-            return transformers.AutoConfig.for_model(**fields)
         path = Path(model)
         if path.is_dir():
             path = path / "config.json"
@@ -143,13 +197,13 @@ def hf_config(model):
                 raise ValueError(f"{path} has no 'model_type': not a transformers config.json")
             check_complete(fields, str(path))
             try:
-                return transformers.AutoConfig.for_model(**fields)
+                return _for_model(fields)
             except ValueError as e:
                 raise ValueError(f"{path}: {e}") from e
     raise ValueError(
-        f"model must be one of the shipped configurations ({', '.join(SHIPPED)}), the path of a local "
-        f"config.json, or a transformers PretrainedConfig; got {model!r} (the Hub is never read: download the "
-        "config.json and pass its path)"
+        f"model must be one of the shipped configurations ({', '.join(SHIPPED)}; or the Hub name each copies, "
+        f"e.g. {SHIPPED['qwen2.5-3b']}), the path of a local config.json, or a transformers PretrainedConfig; got "
+        f"{model!r} (no such file or folder here, and the Hub is never read): {how_to_get_config(*_hub_name(model))}"
     )
 
 
@@ -163,7 +217,8 @@ def tiny_config(cfg, *, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, v
     Kept: the ratio of query to key/value heads (grouped-query attention; 1 for multi-head), a hidden size that is
     not heads x head_dim where the original's is not (Gemma 2), the MLP's width relative to the hidden size, tied
     or untied embeddings, bias and activation choices, dropout, logit softcapping, a sliding window (shrunk to 8
-    positions, so a 16-token sequence crosses it), mixture-of-experts top-k (experts cut to 4 at most). Each size
+    positions, so a 16-token sequence crosses it), mixture-of-experts top-k (experts cut to 4 at most), Llama 3's
+    and LongRoPE's rope scaling (the original length halved; LongRoPE's per-pair factors sampled evenly). Each size
     comes from the original's where it can (head counts: ``kv_heads`` key/value heads, the original ratio of query
     heads to them). Sizes kept under a class's own names (its ``attribute_map``: GPT-2's ``n_head``, BLOOM's
     ``n_layer``, MPT's ``d_model``) are read and written under those; a model with no position limit (BLOOM's
@@ -221,10 +276,19 @@ def tiny_config(cfg, *, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, v
             sizes[key] = sizes["vocab_size"] - 1
         elif isinstance(token, list):
             sizes[key] = [t if t < sizes["vocab_size"] else sizes["vocab_size"] - 1 for t in token]
+    original = min(positions, limit) // 2 if limit is not None else None
     for key in ("rope_parameters", "rope_scaling"):  # Llama 3's rope scaling: its original length must be shorter
         rope = fields.get(key)
-        if isinstance(rope, dict) and rope.get("original_max_position_embeddings") and limit is not None:
-            sizes[key] = {**rope, "original_max_position_embeddings": min(positions, limit) // 2}
+        if isinstance(rope, dict) and rope.get("original_max_position_embeddings") and original is not None:
+            sizes[key] = rope = {**rope, "original_max_position_embeddings": original}
+            if fields.get("original_max_position_embeddings"):  # Phi-3 keeps it beside rope_parameters too
+                sizes["original_max_position_embeddings"] = original
+        if isinstance(rope, dict) and isinstance(rope.get("short_factor"), list):  # Phi-3.5's LongRoPE: one factor
+            pairs = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2  # per rotated pair, evenly sampled
+            sizes[key] = {
+                **rope,
+                **{f: rope[f][:: len(rope[f]) // pairs][:pairs] for f in ("short_factor", "long_factor")},
+            }
     fields.update(sizes)
     fields.pop("layer_types", None)  # derived from the number of layers by the config class itself
     # GPT-2 keeps its sizes under its own names (n_embd, n_layer, ...): the class maps the common ones onto them.
