@@ -200,7 +200,7 @@ MUTANTS = [
     # ---- will it fit, and the snapshot of the simulated allocator
     Mutant(
         "fit.peak-is-the-smallest-phase",
-        "prediction/fit.py",
+        "prediction/fit_report.py",
         "return max(self.phases, key=lambda p: p.tensors)",
         "return min(self.phases, key=lambda p: p.tensors)",
         ("tests/test_prediction.py::test_fit_report_by_hand",),
@@ -218,6 +218,13 @@ MUTANTS = [
         "if low < d <= high or (d > high and dropout):",
         "if low < d < high or (d > high and dropout):",
         ("tests/test_cuda_rules.py::test_flash_head_dim_caps_and_the_sm86_to_sm89_training_gap",),
+    ),
+    Mutant(
+        "fit.never-too-close-to-call",
+        "prediction/fit.py",
+        "return oom, (other is None) != (oom is None)",
+        "return oom, False",
+        ("tests/test_prediction.py::test_too_close_to_call_is_an_answer_that_turns_within_the_allowance",),
     ),
     Mutant(
         "ranks.zero1-optimizer-over-every-parameter",

@@ -413,6 +413,7 @@ def test_replay_with_limit_reports_where_and_what_failed():
         allocated=3 * MiB,
         reserved=20 * MiB,
         cache_flushes=1,
+        segment=22 * MiB,  # 21 MiB rounded up to the 2 MiB a large segment comes in
     )
     assert replay_with_limit(rec, 42 * MiB) == LimitReplay(42 * MiB, True, 4, None, None, None, 25 * MiB, 42 * MiB, 0)
     # step 1 alone needs one 20 MiB segment

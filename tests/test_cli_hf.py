@@ -41,6 +41,10 @@ def test_predict_hf_answers_with_the_will_it_fit_reports_numbers(tiny_json, caps
         and "fake process group" in answer["note"]
     )
     assert answer["rules"].startswith("CPU kernels") and answer["device"] == "H100 80GB HBM3"
+    assumptions = "\n".join(answer["assumptions"])
+    assert "every row 16 tokens, full length: no padding, no attention_mask" in assumptions
+    assert "use_cache=False" in assumptions and "gradient checkpointing: on" in assumptions
+    assert answer["verdict"] == report.verdict() and answer["too_close_to_call"] is False
     # it fits on an H100: no change is ranked (the catalogue's rule, prediction/levers.py)
     assert answer["fixes"] == []
 
@@ -131,6 +135,34 @@ def test_predict_hf_on_a_config_that_is_not_a_causal_lm_exits_2_naming_it(tmp_pa
         main(["predict", "--hf", str(tmp_path), "--seq-len", "16"])
     printed = capsys.readouterr()
     assert e.value.code == 2 and "ViTConfig (vit) is not a causal language model" in printed.err and not printed.out
+
+
+def _config_json(tmp_path, kind: str) -> str:
+    import transformers
+
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=300)
+    if kind == "llama":
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    elif kind == "bert":
+        transformers.BertConfig(**sizes).to_json_file(tmp_path / "config.json")
+    else:
+        transformers.MambaConfig(hidden_size=64, num_hidden_layers=2).to_json_file(tmp_path / "config.json")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("llama", "leaves out hidden_size, num_hidden_layers"),  # not transformers' defaults, silently (62.76 GiB)
+        ("bert", "BertConfig (bert) is not a causal language model"),
+        ("mamba", "MambaConfig (mamba) has no num_attention_heads"),
+    ],
+)
+def test_predict_hf_on_configs_it_cannot_follow_exits_2_naming_why(kind, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--hf", _config_json(tmp_path, kind), "--seq-len", "16", "--gpu", "t4"])
+    printed = capsys.readouterr()
+    assert e.value.code == 2 and message in printed.err and "Traceback" not in printed.err and not printed.out
 
 
 def test_predict_hf_refused_by_the_dry_run_exits_1_saying_why(tmp_path, capsys):

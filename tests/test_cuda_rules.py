@@ -18,7 +18,7 @@ from anatomy_helpers.prediction.cuda_rules import (
 )
 from anatomy_helpers.prediction.devices import DEVICES, Device, get_device
 from anatomy_helpers.prediction.dryrun import dry_run_config
-from anatomy_helpers.prediction.fit import will_it_fit
+from anatomy_helpers.prediction.fit import SIZE_ONLY_RULES, will_it_fit
 from anatomy_helpers.prediction.fixes import cheapest_fix
 from anatomy_helpers.prediction.sdpa_rules import minimum_gemm_alignment, sdpa_backend, sdpa_choice
 
@@ -46,10 +46,10 @@ def test_cublas_workspaces_one_in_forward_two_from_backward(device):
     cpu = will_it_fit(cfg, B, device=DEVICES[device].total)  # a size alone: CPU kernels' rules
     gpu = will_it_fit(cfg, B, device=device)
     w = 32 * 2**20 if device == "h100" else WS
-    assert cpu.rules == "CPU kernels" and "cuBLAS workspace, cuBLASLt workspace" in gpu.rules
+    assert cpu.rules == SIZE_ONLY_RULES and "cuBLAS workspace, cuBLASLt workspace" in gpu.rules
     # an H100 has the H200's compute capability (9.0), on which a stored GPU run measured the step
     assert gpu.rules.endswith(checked_text((9, 0)) if device == "h100" else "not yet checked on this GPU")
-    assert "rules: CUDA rules from torch source" in gpu.table()
+    assert "device rules: CUDA rules from torch source" in gpu.table()
     for c, g in zip(cpu.phases, gpu.phases):
         n = 1 if (c.step, c.phase) == (1, "forward") else 2  # the backward thread's handle adds the second
         assert g.tensors == c.tensors + n * w + LT  # one cuBLASLt workspace: the forward's Linears with a bias
@@ -171,7 +171,7 @@ def test_what_no_rule_states_is_refused_and_left_out_of_the_fixes():
         will_it_fit(ModelConfig(**SMALL, checkpoint="offload"), B, device="t4")
     with pytest.raises(CudaRuleError, match="recomputed"):
         will_it_fit(ModelConfig(**SMALL, checkpoint="full"), B, autocast="float16", device="t4")
-    assert will_it_fit(ModelConfig(**SMALL, checkpoint="offload"), B, device=2**34).rules == "CPU kernels"
+    assert will_it_fit(ModelConfig(**SMALL, checkpoint="offload"), B, device=2**34).rules == SIZE_ONLY_RULES
     a100 = get_device("a100-80")  # an A100 just short of the step's peak: it does not fit, so fixes are ranked
     need = will_it_fit(ModelConfig(**SMALL), B, autocast="bfloat16", device="a100-80").peak.tensors
     short = Device("A100-sized", total=need - 1 + a100.context, capability=a100.capability)

@@ -259,7 +259,7 @@ def test_bad_fine_tunes_get_clear_errors():
     with pytest.raises(IndexError):
         run_step(model, make_hf_optimizer(model, long), hf_plan(tiny.vocab_size, long), 0)
     for run in (dry_run_hf, track_hf):
-        with pytest.raises(ValueError, match=r"seq_len 65 .*GPT2Config.*max_position_embeddings=64"):
+        with pytest.raises(ValueError, match=r"seq_len 65 .*GPT2Config.*64 positions"):
             run(tiny, long)
 
 
@@ -404,3 +404,82 @@ def test_the_twin_keeps_a_sliding_window_the_step_stays_inside():
     assert inside.sliding_window >= twin_fine_tune(FineTune(seq_len=cfg.sliding_window)).seq_len
     assert crossing.sliding_window < twin_fine_tune(FineTune(seq_len=cfg.sliding_window + 1)).seq_len
     assert twin_config(hf_config("llama-3.2-1b"), FineTune()).to_dict() == tiny_config("llama-3.2-1b").to_dict()
+
+
+def _written(tmp_path, config) -> str:
+    """``config`` (made by transformers' own class) as a config.json in ``tmp_path``, as save_pretrained writes it."""
+    folder = tmp_path / type(config).__name__
+    folder.mkdir()
+    config.to_json_file(folder / "config.json")
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "cls, sizes, own",
+    [
+        # BLOOM: n_layer, n_head (its attribute_map) and ALiBi, so no position limit at all
+        ("BloomConfig", dict(hidden_size=48, n_layer=3, n_head=6, vocab_size=300), ("n_layer", "n_head")),
+        # MPT: d_model, n_heads, n_layers (its attribute_map) and max_seq_len (not mapped)
+        ("MptConfig", dict(d_model=48, n_heads=6, n_layers=3, vocab_size=300, max_seq_len=40), ("d_model", "n_heads")),
+    ],
+)
+def test_configs_naming_their_sizes_their_own_way_dry_run_exactly(tmp_path, cls, sizes, own):
+    import transformers
+
+    path = _written(tmp_path, getattr(transformers, cls)(**sizes))
+    twin = tiny_config(path)
+    fields = twin.to_dict()
+    assert all(name in fields for name in own) and "max_position_embeddings" not in fields
+    assert twin.num_hidden_layers == 2 and twin.vocab_size == 256  # through the class's own names
+    if cls == "MptConfig":
+        assert fields["max_seq_len"] == 40  # kept: it is under the twin's 64 positions
+        with pytest.raises(ValueError, match=r"seq_len 41 .*MptConfig.*40 positions"):
+            dry_run_hf(path, FineTune(seq_len=41, attn_implementation="eager"))
+    ft = FineTune(batch_size=2, seq_len=16, attn_implementation="eager")  # neither has an SDPA path in transformers
+    real = track_hf(twin, ft, steps=2, kernel_scratch=False)
+    assert_same_trace(dry_run_hf(twin, ft, steps=2), real)
+
+
+def test_a_model_without_attention_heads_is_refused_by_name_before_any_dry_run(tmp_path, monkeypatch):
+    import transformers
+
+    from anatomy_helpers.prediction import hf_step
+
+    path = _written(tmp_path, transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=300))
+    monkeypatch.setattr(hf_step, "_fake_run", lambda *a: pytest.fail("the dry run started"))
+    with pytest.raises(ValueError, match=r"MambaConfig \(mamba\) has no num_attention_heads"):
+        dry_run_hf(path, FineTune(attn_implementation="eager"))
+
+
+def test_a_masked_lm_config_is_refused_as_not_causal(tmp_path):
+    import transformers
+
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=300)
+    path = _written(tmp_path, transformers.BertConfig(**sizes))
+    with (
+        torch.device("meta"),
+        pytest.raises(ValueError, match=r"BertConfig \(bert\) is not a causal.*is_decoder=False"),
+    ):
+        build_model(path, attn_implementation="eager")
+    with torch.device("meta"):  # a BERT decoder attends causally: built
+        build_model(transformers.BertConfig(**sizes, is_decoder=True), attn_implementation="eager")
+        # a decoder's cross-attention is not causal, its self-attention is: built
+        build_model(transformers.BartConfig(d_model=64, vocab_size=300), attn_implementation="eager")
+
+
+def test_a_config_json_leaving_sizes_to_the_class_defaults_is_refused_naming_them(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"leaves out hidden_size, num_hidden_layers, .*vocab_size") as e:
+        hf_config(tmp_path)
+    assert "num_key_value_heads" not in str(e.value)  # Llama's default is None: as many as the query heads
+    full = hf_config("qwen2.5-0.5b").to_dict()
+    del full["num_key_value_heads"]  # Qwen 2's class default is 32 key/value heads, not the query heads' count
+    (tmp_path / "config.json").write_text(json.dumps(full))
+    with pytest.raises(ValueError, match=r"leaves out num_key_value_heads: Qwen2Config \(qwen2\)"):
+        hf_config(tmp_path)
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300}
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    with pytest.raises(ValueError, match=r"leaves out max_position_embeddings \(n_positions\)"):
+        hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(gpt2 | {"n_positions": 128}))  # n_inner: 4 x hidden
+    assert hf_config(tmp_path).n_inner is None

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from anatomy_helpers import make_model, make_optimizer, track_steps
 from anatomy_helpers.core.model import GPT, ModelConfig
 from anatomy_helpers.lessons.lesson06_prediction import fit_panel
-from anatomy_helpers.prediction.allocator import min_limit_to_pass
+from anatomy_helpers.prediction.allocator import LimitReplay, min_limit_to_pass, replay
 from anatomy_helpers.prediction.cuda_rules import CudaRuleError
 from anatomy_helpers.prediction.devices import (
     CUDA_CONTEXT_BYTES,
@@ -25,7 +25,7 @@ from anatomy_helpers.prediction.devices import (
     gib_device,
 )
 from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dry_run_config
-from anatomy_helpers.prediction.fit import FitRequest, will_it_fit
+from anatomy_helpers.prediction.fit import SIZE_ONLY_RULES, FitRequest, allocator_answer, will_it_fit
 from anatomy_helpers.prediction.fixes import cheapest_fix, fixes_table
 from anatomy_helpers.prediction.flops import config_step_flops
 from anatomy_helpers.prediction.levers import EFFECTS, levers
@@ -110,7 +110,7 @@ def test_fit_report_phases_are_the_dry_runs_phase_peaks():
     # a T4's size without its capability: the CPU kernels' rules, so the phases are the dry run's own peaks (the
     # named T4 adds CUDA's rules, tests/test_cuda_rules.py)
     report = will_it_fit(cfg, 4, implementation="single", device=DEVICES["t4"].total)
-    assert report.rules == "CPU kernels" and "rules: CPU kernels" in report.table()
+    assert report.rules == SIZE_ONLY_RULES and "device rules: CPU kernels, not CUDA's" in report.table()
     trace = dry_run_config(cfg, batch_size=4, foreach=False)
     assert [(p.step, p.phase) for p in report.phases] == [
         (s, ph) for s in (1, 2) for ph in ("forward", "backward", "optimizer")
@@ -333,7 +333,7 @@ def test_bad_requests_are_refused_before_any_dry_run(kwargs, match):
 def test_fit_report_by_hand():
     """The report's peak is the phase with the most tensor bytes; the first failure is the phase the capped
     allocator ran out in (step 0: the model itself)."""
-    from anatomy_helpers.prediction.fit import FitReport, PhaseNeed
+    from anatomy_helpers.prediction.fit_report import FitReport, PhaseNeed
 
     phases = tuple(
         PhaseNeed(s, p, t * 2**20, (t + 2) * 2**20, {})
@@ -341,12 +341,68 @@ def test_fit_report_by_hand():
     )
     fits = FitReport("toy", "T4", 16 * 2**30, 15 * 2**30, phases, None)
     assert (fits.peak.step, fits.peak.phase) == (1, "backward") and fits.fits and fits.first_failure is None
-    assert "FITS. Peak 9.00 MiB of tensors (step 1 backward)" in fits.verdict()
+    # the allocator's reserved memory decides (11 MiB at most, step 1 backward); the tensors' peak is beside it
+    assert "FITS: the simulated caching allocator reserves at most 11.00 MiB (step 1 backward)" in fits.verdict()
+    assert "tensors peak at 9.00 MiB (step 1 backward)" in fits.verdict()
     fails = dataclasses.replace(fits, failure=(2, "forward"))
     assert fails.first_failure is phases[3] and not fails.fits
     assert "runs out first in step 2's forward pass" in fails.verdict()
     model = dataclasses.replace(fits, failure=(0, "idle")).first_failure
     assert (model.step, model.tensors) == (0, 0)
+
+
+def test_the_verdict_names_the_allocators_reserved_memory_as_what_decides():
+    """Tensors under the usable memory, the capped allocator out of it: the verdict says the allocator decides, with
+    what it held and asked for; the table shows both per phase, where it ran out and what it never reached."""
+    from anatomy_helpers.prediction.fit_report import RESERVED_DECIDES, FitReport, PhaseNeed
+
+    mib = 2**20
+    sizes = tuple(zip(("forward", "backward", "optimizer"), (5, 9, 7)))
+    phases = tuple(PhaseNeed(s, p, t * mib, (t + 3) * mib, {}) for s in (1, 2) for p, t in sizes)
+    oom = LimitReplay(10 * mib, False, 7, 1, "backward", 3 * mib, 7 * mib, 9 * mib, 1, 4 * mib)
+    report = FitReport("toy", "T4", 11 * mib, 10 * mib, phases, (1, "backward"), oom=oom)
+    verdict = report.verdict()
+    assert verdict.startswith("toy on T4: DOES NOT FIT: the simulated caching allocator, capped at 10.00 MiB usable")
+    assert "still holds 9.00 MiB, 7.00 MiB in tensors and 2.00 MiB in free blocks" in verdict
+    assert "the next 3.00 MiB tensor, and a new 4.00 MiB segment" in verdict and "tensors peak at 9.00 MiB" in verdict
+    table = report.table()
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1] in ("1", "2")]
+    assert [" ".join(r[4:]) for r in rows] == ["yes ok", "yes RUNS OUT", "yes -", "yes -", "yes -", "yes -"]
+    assert RESERVED_DECIDES + ": the tensors alone (9.00 MiB) would fit, the segments do not" in table
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in table and "torch.cuda.mem_get_info()" in table
+    # the assumed CUDA context (capacity - usable) is the margin's allowance; it is printed with its size
+    assert report.allowance == mib and "CUDA context: 1.00 MiB assumed, not measured" in table
+    close = dataclasses.replace(report, close=True)
+    assert "toy on T4: DOES NOT FIT, BUT TOO CLOSE TO CALL: " in close.verdict()
+    assert "TOO CLOSE TO CALL: with 1.00 MiB more memory the simulated answer turns" in close.table()
+
+
+def test_too_close_to_call_is_an_answer_that_turns_within_the_allowance():
+    """The allocator's answer at the usable memory and at the usable memory give or take what is assumed; the
+    least memory the replay needs comes from min_limit_to_pass (a scan, independent of allocator_answer)."""
+    record = dry_run_config(ModelConfig(**SMALL), batch_size=2).allocation_record()
+    rep, need = replay(record), min_limit_to_pass(record)  # passes at need, not at need - 2 MiB
+    mib = 2**20
+    assert allocator_answer(record, rep, need, 0) == (None, False)
+    assert allocator_answer(record, rep, need, 2 * mib) == (None, True)  # 2 MiB less and it runs out
+    oom, close = allocator_answer(record, rep, need - 2 * mib, 2 * mib)
+    assert oom is not None and not oom.passed and close  # 2 MiB more and it passes
+    far = int(rep.reserved.max()) + 4 * mib
+    assert allocator_answer(record, rep, far + 2 * mib, 2 * mib) == (None, False)
+
+
+def test_every_report_lists_its_assumptions():
+    cfg = ModelConfig(**SMALL, checkpoint="full")
+    table = will_it_fit(cfg, 2, device="t4", implementation="single").table()
+    block = table[table.index("assumptions:") :]
+    assert f"sequences: every row {cfg.seq_len} tokens, full length" in block
+    assert (
+        "activation checkpointing: full" in block and "precision: float32 weights and gradients, no autocast" in block
+    )
+    assert "device rules: CUDA rules from torch source" in block and "CUDA context: 512.00 MiB assumed" in block
+    assert "not counted: kernel scratch (temporary buffers inside ops)\n" in block  # cuBLAS's workspaces applied
+    sized = will_it_fit(cfg, 2, device=DEVICES["t4"].total, implementation="single").table()
+    assert "cuBLAS workspaces (up to 64.00 MiB)" in sized  # no capability: two of Hopper's 32 MiB, the largest
 
 
 def test_plot_and_panel(capsys):
@@ -366,7 +422,7 @@ def test_the_panel_says_when_no_cuda_rule_states_a_combination_and_shows_the_cpu
     fig = fit_panel(batch_size=1, seq_len=64, dtype="bfloat16", autocast="bfloat16", device="t4")
     out = capsys.readouterr().out
     assert isinstance(fig, Figure) and out.startswith("No prediction for t4: autocast over a bfloat16 model")
-    assert "rules: CPU kernels" in out and "14.58 GiB device" in out  # the T4's total as a process sees it
+    assert "device rules: CPU kernels" in out and "14.58 GiB device" in out  # the T4's total as a process sees it
 
 
 def _horizontal_lines(ax) -> list[float]:

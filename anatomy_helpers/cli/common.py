@@ -55,6 +55,10 @@ def report_answer(report, device) -> dict:
         "compute_capability": None if device.capability is None else ".".join(map(str, device.capability)),
         "rules": report.rules,
         "fits": report.fits,
+        "too_close_to_call": report.close,
+        "verdict": report.verdict(),
+        "decided_by": "the simulated caching allocator's reserved bytes, capped at usable_bytes",
+        "assumptions": list(report.assumption_lines()),
         "runs_out_first": None if report.failure is None else dict(zip(("step", "phase"), report.failure)),
         "phases": [
             dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved) for p in report.phases

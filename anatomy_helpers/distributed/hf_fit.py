@@ -27,10 +27,11 @@ import torch.nn as nn
 from ..core.checks import one_of, positive_int
 from ..prediction.devices import DEFAULT_GPU
 from ..prediction.dryrun import check_ops
-from ..prediction.fit import FitReport, size_text, trace_fit_report
+from ..prediction.fit import trace_fit_report
+from ..prediction.fit_report import FitReport, size_text
 from ..prediction.hf import hf_config
 from ..prediction.hf_cuda_rules import hf_cuda_rules
-from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf
+from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf, hf_assumptions
 from ..prediction.hf_fixes import LORA_RANK, hf_step_flops
 from ..prediction.hf_step import (
     FineTune,
@@ -103,8 +104,8 @@ def dry_run_hf_rank(model, ft: FineTune, world_size: int = 2, zero: int = 0, ran
     cfg = hf_config(model)
     positive_int("world_size", world_size)
     check_positions(cfg, ft)
+    twin, small = twin_config(cfg, ft), twin_fine_tune(ft)  # first: a model with no twin is refused
     run, calls = _hf_rank(cfg, ft, world_size, zero, rank)
-    twin, small = twin_config(cfg, ft), twin_fine_tune(ft)
     what = f"rank {rank} of {world_size} ({ZERO_STRATEGIES[zero]}) of {cfg.model_type}"
     check_ops(calls, what, lambda: _hf_rank(twin, small, world_size, zero, rank)[1])
     return run
@@ -152,12 +153,15 @@ def will_it_fit_hf(
     if world_size == 1:
         trace = dry_run_hf(cfg, fine_tune, steps=2) if trace is None else trace
         if dev.capability is None:  # a size alone: the CPU kernels' rules
-            return trace_fit_report(trace, label, dev)
+            return trace_fit_report(trace, label, dev, rules=HF_RULES, assumptions=hf_assumptions(fine_tune))
         corrections, rules = hf_cuda_rules(trace, cfg, fine_tune, dev)  # CUDA's, applied or named
-        return trace_fit_report(trace, label, dev, rules=rules, corrections=corrections)
+        return trace_fit_report(
+            trace, label, dev, rules=rules, assumptions=hf_assumptions(fine_tune), corrections=corrections
+        )
     stage = zero or 0
     trace = dry_run_hf_rank(cfg, fine_tune, world_size, stage).result.trace if trace is None else trace
-    return trace_fit_report(trace, label, dev, rank_note(trace, world_size, stage), HF_RULES)
+    note = rank_note(trace, world_size, stage)
+    return trace_fit_report(trace, label, dev, note, HF_RULES, hf_assumptions(fine_tune))
 
 
 def cheapest_fix_hf(

@@ -19,7 +19,8 @@ from ..core.model import ModelConfig
 from ..prediction import fit
 from ..prediction.cuda_rules import CPU_RULES
 from ..prediction.devices import DEFAULT_GPU
-from ..prediction.fit import FitReport, trace_fit_report, usable_device
+from ..prediction.fit import course_assumptions, trace_fit_report, usable_device
+from ..prediction.fit_report import FitReport
 from ..prediction.hf_step import FineTune
 from .fake_world import dry_run_rank
 from .hf_fit import WARMUP, ZERO_STRATEGIES, rank_note, will_it_fit_hf
@@ -27,7 +28,7 @@ from .ranks import RankJob
 
 #: The rules a course GPT's rank follows: its dry run is on CPU kernels; cuda_rules.py's corrections are stated for
 #: one device's step.
-RANK_RULES = f"{CPU_RULES} (per rank: cuda_rules.py's corrections are stated for one device's step only)"
+RANK_RULES = f"{CPU_RULES}, not CUDA's: the course states CUDA's memory rules for one device's step, not per rank"
 
 
 def will_it_fit(
@@ -91,4 +92,5 @@ def _course_rank_fit(
     )
     trace = dry_run_rank(job, world_size).result.trace
     label = f"course GPT ({cfg.n_layer} layers, d_model {cfg.d_model}), b={rows} per rank, adamw"
-    return trace_fit_report(trace, label, dev, rank_note(trace, world_size, stage), RANK_RULES)
+    note = rank_note(trace, world_size, stage)
+    return trace_fit_report(trace, label, dev, note, RANK_RULES, course_assumptions(cfg, "adamw", None))

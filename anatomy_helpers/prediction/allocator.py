@@ -435,6 +435,7 @@ class LimitReplay:
     allocated: int  # simulated allocated / reserved at the end (or at the failure)
     reserved: int
     cache_flushes: int
+    segment: int | None = None  # the segment it tried to cudaMalloc for the request that did not fit
 
 
 def replay_with_limit(record: AllocationRecord, limit: int, through_step: int | None = None) -> LimitReplay:
@@ -450,7 +451,10 @@ def replay_with_limit(record: AllocationRecord, limit: int, through_step: int | 
     except SimulatedOutOfMemory as err:
         i = done[0] + 1
         step, phase = int(record.step[i]), PHASES[int(record.phase[i])]
-        return LimitReplay(limit, False, i, step, phase, err.requested, sim.allocated, sim.reserved, sim.cache_flushes)
+        flushes = sim.cache_flushes
+        return LimitReplay(
+            limit, False, i, step, phase, err.requested, sim.allocated, sim.reserved, flushes, err.segment
+        )
     return LimitReplay(limit, True, rows, None, None, None, sim.allocated, sim.reserved, sim.cache_flushes)
 
 

@@ -27,15 +27,22 @@ import torch
 
 from ..core.checks import one_of, positive_int
 from ..core.model import GPT, ModelConfig, param_count
-from ..core.tables import Col, format_table
-from ..core.units import pick_unit
 from ..tracking.trace import Trace
 from ..training.step import AUTOCAST_CHOICES
 from ..training.train import OPTIMIZER_NAMES
-from .allocator import replay, replay_with_limit
-from .cuda_rules import CPU_RULES, corrected_peak, correction_series, cuda_corrections, rules_text
+from .allocator import LimitReplay, replay, replay_with_limit
+from .cuda_rules import (
+    CPU_RULES,
+    CUBLASLT_WORKSPACE,
+    corrected_peak,
+    correction_series,
+    cublas_workspace_bytes,
+    cuda_corrections,
+    rules_text,
+)
 from .devices import DEFAULT_GPU, Device, get_device
 from .dryrun import dry_run_config
+from .fit_report import FitReport, PhaseNeed, assumed_bytes, size_text
 from .sdpa_rules import sdpa_backend
 
 #: Optimizer implementations and the (foreach, fused) flags that pick them.
@@ -45,98 +52,8 @@ IMPLEMENTATION_FLAGS = {"single": (False, None), "foreach": (True, None), "fused
 STEP_PHASES = tuple((s, p) for s in (1, 2) for p in ("forward", "backward", "optimizer"))
 
 
-def size_text(nbytes: int) -> str:
-    """``nbytes`` in the unit that suits it: "114.97 MiB", "14.50 GiB"."""
-    unit, scale = pick_unit(nbytes)
-    return f"{nbytes / scale:,.2f} {unit}"
-
-
-@dataclass(frozen=True)
-class PhaseNeed:
-    """One phase of one step: its peak of tensor bytes (by category, at the peak) and the simulated allocator."""
-
-    step: int
-    phase: str
-    tensors: int  # the dry run's peak of live tensor bytes in the phase (+ accumulated gradients, if any)
-    reserved: int  # the uncapped simulated allocator's reserved bytes at that peak (its cache included)
-    breakdown: dict[str, int]  # bytes per category at the tensor peak
-
-
-@dataclass(frozen=True)
-class FitReport:
-    """Whether two training steps fit on a device, phase by phase (bytes).
-
-    The verdict comes from replaying the dry run's allocations through the caching-allocator simulator capped at
-    the usable memory (``allocator.replay_with_limit``): it rounds, splits and caches as the real allocator does,
-    and, like it, gives its cached free segments back and retries before it declares an out-of-memory error.
-    """
-
-    label: str
-    device: str  # the device's name
-    capacity: int  # its total memory, as a process sees it (devices.Device.total)
-    usable: int  # capacity - the CUDA context's share
-    phases: tuple[PhaseNeed, ...]  # step 1 and step 2, forward / backward / optimizer, in time order
-    failure: tuple[int, str] | None  # (step, phase) where the capped simulated allocator ran out, or None
-    reserved_extra: int = 0  # bytes kept out of the cap for tensors the dry run does not make (accumulation)
-    note: str = ""
-    context_note: str = "CUDA context (assumed)"
-    rules: str = CPU_RULES  # which device rules the phase needs follow (see cuda_rules.rules_text)
-    capacity_note: str = ""  # which total ``capacity`` is (devices.Device.total_note)
-
-    @property
-    def fits(self) -> bool:
-        return self.failure is None
-
-    @property
-    def peak(self) -> PhaseNeed:
-        """The phase with the most live tensor bytes."""
-        return max(self.phases, key=lambda p: p.tensors)
-
-    @property
-    def first_failure(self) -> PhaseNeed | None:
-        """The phase that runs out first (None if both steps fit); step 0 means the model itself does not fit."""
-        if self.failure is None:
-            return None
-        step, phase = self.failure
-        found = [p for p in self.phases if (p.step, p.phase) == (step, phase)]
-        return found[0] if found else PhaseNeed(step, phase, 0, 0, {})
-
-    def verdict(self) -> str:
-        """One sentence: fits (with the margin) or which phase of which step runs out first."""
-        pk = self.peak
-        head = f"{self.label} on {self.device}: "
-        peak = f"{size_text(pk.tensors)} of tensors (step {pk.step} {pk.phase})"
-        if self.failure is None:
-            return head + f"FITS. Peak {peak} within {size_text(self.usable)} usable"
-        step, phase = self.failure
-        where = "before step 1 (the model itself)" if step == 0 else f"in step {step}'s {phase} pass"
-        return head + f"DOES NOT FIT: runs out first {where}; peak {peak} against {size_text(self.usable)} usable"
-
-    def table(self) -> str:
-        unit, scale = pick_unit(max(p.reserved for p in self.phases))  # the rows' unit suits the step, not the GPU
-        cols = [Col("step", 4), Col("phase", 9, align="<", gap="  "), Col("tensors", 9, ".2f")]
-        cols += [Col("reserved", 9, ".2f"), Col("tensors fit", 11)]
-        rows = [
-            (p.step, p.phase, p.tensors / scale, p.reserved / scale, "yes" if p.tensors <= self.usable else "NO")
-            for p in self.phases
-        ]
-        kept = (
-            f"; the allocator replay is capped {size_text(self.reserved_extra)} lower, kept for the "
-            "accumulated gradients and the whole batch's inputs"
-            if self.reserved_extra
-            else ""
-        )
-        footer = [
-            f"rules: {self.rules}",
-            f"usable on {self.device}: {size_text(self.usable)} = {size_text(self.capacity)} "
-            f"{self.capacity_note + ' ' if self.capacity_note else ''}"
-            f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}",
-            self.verdict(),
-        ]
-        if self.note:
-            footer.append(self.note)
-        note = f"({unit}; reserved: simulated caching allocator without a cap, at the phase's peak)"
-        return format_table(cols, rows, note=note, footer=footer)
+#: The rules line of a device given only by its size: no compute capability to pick CUDA's rules by.
+SIZE_ONLY_RULES = f"{CPU_RULES}, not CUDA's: a device given only by its size has no compute capability to pick them by"
 
 
 def phase_needs(
@@ -346,18 +263,46 @@ def gradient_bytes(cfg: ModelConfig) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def allocator_failure(record, rep, limit: int) -> tuple[int, str] | None:
+def capped_replay(record, rep, limit: int) -> LimitReplay | None:
     """Where the caching-allocator simulator capped at ``limit`` bytes runs out replaying ``record`` (its
-    (step, phase); (0, "idle") when nothing is left for the step), or None if it passes. ``rep``: the uncapped
-    replay of the same record."""
+    :class:`~anatomy_helpers.prediction.allocator.LimitReplay`; step 0, phase "idle" when nothing is left for the
+    step), or None if it passes. ``rep``: the uncapped replay of the same record."""
     if limit <= 0:
-        return (0, "idle")
+        return LimitReplay(limit, False, 0, 0, "idle", None, 0, 0, 0)
     if len(rep.reserved) and rep.reserved.max() <= limit:
         # The uncapped replay never reserves more than the cap, so the capped one never flushes its cache: the
         # same replay, which passes. (Replaying it again would give the same answer, at a cost.)
         return None
     capped = replay_with_limit(record, limit)
-    return None if capped.passed else (capped.step, capped.phase)
+    return None if capped.passed else capped
+
+
+def allocator_answer(record, rep, limit: int, allowance: int) -> tuple[LimitReplay | None, bool]:
+    """(:func:`capped_replay` under ``limit``, whether its answer turns with ``allowance`` bytes more memory (a
+    replay that runs out) or less (one that passes): too close to call)."""
+    oom = capped_replay(record, rep, limit)
+    if not allowance:
+        return oom, False
+    other = capped_replay(record, rep, limit + allowance if oom else limit - allowance)
+    return oom, (other is None) != (oom is None)
+
+
+def unapplied_workspaces(dev: Device) -> int:
+    """The cuBLAS and cuBLASLt workspaces a step may hold where CUDA's rules are not applied (bytes, an upper bound):
+    two of each, the forward's thread's and autograd's backward thread's (cuda_rules.cublas_workspaces,
+    cublaslt_workspaces), cuBLAS's at Hopper's size where the capability is unknown (the largest)."""
+    return 2 * (cublas_workspace_bytes(dev.capability or (9, 0)) + CUBLASLT_WORKSPACE)
+
+
+def course_assumptions(cfg: ModelConfig, optimizer: str, autocast: str | None) -> tuple[str, ...]:
+    """A course GPT step's assumptions, for its report: sequences, checkpointing, precision."""
+    every = f" every {cfg.checkpoint_every}" if cfg.checkpoint == "every_k" else ""
+    return (
+        f"sequences: every row {cfg.seq_len} tokens, full length (the course GPT takes no padding or attention mask)",
+        f"activation checkpointing: {cfg.checkpoint}{every}",
+        f"precision: {cfg.dtype} weights and gradients, {f'{autocast} autocast' if autocast else 'no autocast'}, "
+        f"{optimizer} state",
+    )
 
 
 def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
@@ -385,27 +330,44 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
         series = correction_series(trace, corrections)
         sdpa = sdpa_backend(cfg, autocast, dev.capability) if cfg.attn_impl == "sdpa" else None
         limit -= max(0, int(series.sum(axis=1).max()))  # the replay has no CUDA-only storages: keep them out
-    failure = allocator_failure(trace.allocation_record(), rep, limit)
+    workspace = 0 if corrections is not None else unapplied_workspaces(dev)
+    allowance = assumed_bytes(dev.context, dev.context_measured, workspace)
+    oom, close = allocator_answer(trace.allocation_record(), rep, limit, allowance)
     needs = phase_needs(trace, extra, rep, series)
+    rules = rules_text(corrections, sdpa, dev.capability) if corrections is not None else SIZE_ONLY_RULES
     return FitReport(
-        label, dev.name, dev.total, dev.usable, needs, failure, grads + inputs, note, dev.context_note(),
-        rules_text(corrections, sdpa, dev.capability), dev.total_note(),
+        label, dev.name, dev.total, dev.usable, needs, _where(oom), grads + inputs, note, dev.context_note(), rules,
+        course_assumptions(cfg, request.optimizer, autocast), workspace, oom, close, dev.total_note(),
     )  # fmt: skip
 
 
+def _where(oom: LimitReplay | None) -> tuple[int, str] | None:
+    return None if oom is None else (oom.step, oom.phase)
+
+
 def trace_fit_report(
-    trace: Trace, label: str, dev: Device, note: str = "", rules: str = CPU_RULES, corrections: list | None = None
+    trace: Trace,
+    label: str,
+    dev: Device,
+    note: str = "",
+    rules: str = CPU_RULES,
+    assumptions: tuple[str, ...] = (),
+    corrections: list | None = None,
 ) -> FitReport:
     """``trace`` (two steps: a dry run of one device's step, or of one rank's) replayed through the allocator
     simulator under ``dev``'s usable memory, as a :class:`FitReport` labelled ``label``, its phase needs following
-    ``rules``: ``corrections`` (``cuda_rules.Correction``, a Hugging Face model's on one GPU:
-    ``hf_cuda_rules.hf_cuda_rules``) are added as :func:`fit_run` adds the course GPT's; none for a rank's."""
+    ``rules``, ``assumptions`` the step's. ``corrections`` (``cuda_rules.Correction``: a Hugging Face model's on
+    one GPU, from ``hf_cuda_rules.hf_cuda_rules``) are added as :func:`fit_run` adds the course GPT's; without them
+    (a rank's step, a device given by its size) the cuBLAS workspaces are not counted, and the margin says so."""
     record = trace.allocation_record()
     rep = replay(record)
     series = correction_series(trace, corrections) if corrections else None
     limit = dev.usable - (max(0, int(series.sum(axis=1).max())) if series is not None else 0)
-    failure = allocator_failure(record, rep, limit)
+    workspace = 0 if corrections else unapplied_workspaces(dev)
+    allowance = assumed_bytes(dev.context, dev.context_measured, workspace)
+    oom, close = allocator_answer(record, rep, limit, allowance)
     needs = phase_needs(trace, None, rep, series)
     return FitReport(
-        label, dev.name, dev.total, dev.usable, needs, failure, 0, note, dev.context_note(), rules, dev.total_note()
-    )
+        label, dev.name, dev.total, dev.usable, needs, _where(oom), 0, note, dev.context_note(), rules, assumptions,
+        workspace, oom, close, dev.total_note(),
+    )  # fmt: skip

@@ -12,6 +12,8 @@ imports it only when called, so the rest of the package works without it.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -53,6 +55,69 @@ def require_transformers():
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
     return transformers
+
+
+#: The sizes a dry run reads from a configuration, by transformers' common names (a class may keep one under its
+#: own name: its ``attribute_map``, e.g. GPT-2's ``n_embd``). A config.json must give each one the architecture's
+#: class has a number for: left out, the class's default would be predicted silently (``{"model_type": "llama"}``
+#: is a 6.7B-parameter Llama). One whose class default is None is derived from the others (Llama's
+#: ``num_key_value_heads``: as many as the query heads; GPT-2's ``n_inner``: 4 x hidden) and may be left out.
+SIZE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "num_local_experts",
+    "num_experts_per_tok",
+)
+
+#: Where a class without ``max_position_embeddings`` (or an ``attribute_map`` entry for it) keeps its longest
+#: sequence: MPT's ``max_seq_len``. BLOOM has none (ALiBi: no position table).
+OTHER_POSITION_FIELDS = ("max_seq_len",)
+
+
+def max_positions(cfg) -> int | None:
+    """The longest sequence ``cfg``'s model takes (tokens), or None where the configuration names no limit."""
+    for name in ("max_position_embeddings", *OTHER_POSITION_FIELDS):
+        limit = getattr(cfg, name, None)
+        if isinstance(limit, int):
+            return limit
+    return None
+
+
+def _declared_defaults(cls) -> dict:
+    """The defaults a configuration class declares for its fields (before it derives any from the others)."""
+    if dataclasses.is_dataclass(cls):  # transformers 5.x configurations are dataclasses
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+def check_complete(fields: dict, where: str) -> None:
+    """ValueError naming the size fields (:data:`SIZE_FIELDS`, and :data:`OTHER_POSITION_FIELDS`) ``fields`` (a
+    config.json's) leaves to its class's declared defaults, where the class declares a number for them: the
+    prediction would be the defaults' model, not this one. ``where``: what ``fields`` came from, for the message."""
+    transformers = require_transformers()
+    try:
+        cls = type(transformers.AutoConfig.for_model(fields["model_type"]))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    declared, names = _declared_defaults(cls), getattr(cls, "attribute_map", {})
+    missing = []
+    for name in (*SIZE_FIELDS, *OTHER_POSITION_FIELDS):
+        own = names.get(name, name)
+        default = declared.get(own, declared.get(name))
+        if isinstance(default, int) and not isinstance(default, bool) and name not in fields and own not in fields:
+            missing.append(name if own == name else f"{name} ({own})")
+    if missing:
+        raise ValueError(
+            f"{where} leaves out {', '.join(missing)}: {cls.__name__} ({fields['model_type']}) would take its "
+            "class's defaults, a model of another size; use the model's complete config.json"
+        )
 
 
 def _not_the_longrope_length_note(record: logging.LogRecord) -> bool:
@@ -116,7 +181,9 @@ def hf_config(model):
         return model
     name = shipped_name(model)
     if name is not None:
-        return _for_model(_shipped_dict(name))
+        fields = _shipped_dict(name)
+        check_complete(fields, f"the shipped {name}.json")
+        return _for_model(fields)
     if isinstance(model, (str, Path)):
         path = Path(model)
         if path.is_dir():
@@ -128,6 +195,7 @@ def hf_config(model):
                 raise ValueError(f"{path} is not valid JSON: {e}") from e
             if not isinstance(fields, dict) or "model_type" not in fields:
                 raise ValueError(f"{path} has no 'model_type': not a transformers config.json")
+            check_complete(fields, str(path))
             try:
                 return _for_model(fields)
             except ValueError as e:
@@ -152,11 +220,21 @@ def tiny_config(cfg, *, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, v
     positions, so a 16-token sequence crosses it), mixture-of-experts top-k (experts cut to 4 at most), Llama 3's
     and LongRoPE's rope scaling (the original length halved; LongRoPE's per-pair factors sampled evenly). Each size
     comes from the original's where it can (head counts: ``kv_heads`` key/value heads, the original ratio of query
-    heads to them).
+    heads to them). Sizes kept under a class's own names (its ``attribute_map``: GPT-2's ``n_head``, BLOOM's
+    ``n_layer``, MPT's ``d_model``) are read and written under those; a model with no position limit (BLOOM's
+    ALiBi) keeps none. ValueError naming the field where the architecture has no attention heads to keep (Mamba):
+    its twin cannot be made, so no dry run of it is checked.
     """
     cfg = hf_config(cfg)
+    require_causal_lm(cfg)
     fields = cfg.to_dict()
-    heads, layers_orig = cfg.num_attention_heads, cfg.num_hidden_layers
+    heads, layers_orig = getattr(cfg, "num_attention_heads", None), cfg.num_hidden_layers
+    if not isinstance(heads, int):
+        raise ValueError(
+            f"{type(cfg).__name__} ({cfg.model_type}) has no num_attention_heads (nor a field of its own mapped to "
+            "it): not an attention model, whose tiny twin keeps its heads, so its dry run cannot be checked and is "
+            "not made"
+        )
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     ratio = heads // kv
     new_kv = kv if kv == heads else min(kv, kv_heads)  # multi-head attention stays multi-head
@@ -170,8 +248,11 @@ def tiny_config(cfg, *, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, v
         "num_attention_heads": new_heads,
         "num_hidden_layers": min(layers, layers_orig),
         "vocab_size": min(vocab, cfg.vocab_size),
-        "max_position_embeddings": min(positions, cfg.max_position_embeddings),
     }
+    limit = max_positions(cfg)
+    position_field = next((n for n in ("max_position_embeddings", *OTHER_POSITION_FIELDS) if n in fields), None)
+    if limit is not None:  # BLOOM (ALiBi) has no limit to shrink
+        sizes[position_field or "max_position_embeddings"] = min(positions, limit)
     if "num_key_value_heads" in fields:
         sizes["num_key_value_heads"] = new_kv
     if "head_dim" in fields and fields["head_dim"] is not None:
@@ -195,10 +276,10 @@ def tiny_config(cfg, *, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, v
             sizes[key] = sizes["vocab_size"] - 1
         elif isinstance(token, list):
             sizes[key] = [t if t < sizes["vocab_size"] else sizes["vocab_size"] - 1 for t in token]
-    original = sizes["max_position_embeddings"] // 2
+    original = min(positions, limit) // 2 if limit is not None else None
     for key in ("rope_parameters", "rope_scaling"):  # Llama 3's rope scaling: its original length must be shorter
         rope = fields.get(key)
-        if isinstance(rope, dict) and rope.get("original_max_position_embeddings"):
+        if isinstance(rope, dict) and rope.get("original_max_position_embeddings") and original is not None:
             sizes[key] = rope = {**rope, "original_max_position_embeddings": original}
             if fields.get("original_max_position_embeddings"):  # Phi-3 keeps it beside rope_parameters too
                 sizes["original_max_position_embeddings"] = original
@@ -214,8 +295,8 @@ def tiny_config(cfg, *, layers: int = 2, head_dim: int = 8, kv_heads: int = 2, v
     for common, own in getattr(type(cfg), "attribute_map", {}).items():
         if common in fields and own in fields:
             fields[own] = fields.pop(common)
-    if "n_ctx" in fields:
-        fields["n_ctx"] = fields.get("n_positions", sizes["max_position_embeddings"])
+    if "n_ctx" in fields and limit is not None:
+        fields["n_ctx"] = fields.get("n_positions", min(positions, limit))
     return type(cfg)(**fields)
 
 
@@ -243,20 +324,46 @@ def build_model(
         if not _is_moe(cfg):
             raise ValueError(f"experts_implementation is for mixture-of-experts models; {cfg.model_type} has none")
         kwargs["experts_implementation"] = experts_implementation
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
-    except ValueError as e:
-        if "Unrecognized configuration class" in str(e):
-            raise ValueError(
-                f"{type(cfg).__name__} ({cfg.model_type}) is not a causal language model transformers knows: "
-                "AutoModelForCausalLM has no class for it"
-            ) from None
-        raise
+    require_causal_lm(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
+    check_causal(model, cfg)
     if getattr(model, "loss_type", None) is None:
         # transformers picks the loss from the class name; GPT2LMHeadModel's names none, so every forward would
         # fall back to ForCausalLM and log that it did (modeling_utils.PreTrainedModel.loss_function): name it
         model.loss_type = "ForCausalLM"
     return model.train()
+
+
+def require_causal_lm(cfg) -> None:
+    """ValueError naming ``cfg``'s class where transformers' causal-LM mapping (AutoModelForCausalLM's) has no model
+    class for it (ViT, an image encoder). One in it may still not be causal: :func:`check_causal`."""
+    require_transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # optional extra [hf]
+
+    if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{type(cfg).__name__} ({cfg.model_type}) is not a causal language model transformers knows: "
+            "AutoModelForCausalLM has no class for it"
+        )
+
+
+def check_causal(model: nn.Module, cfg) -> None:
+    """ValueError naming the architecture where no attention module of ``model`` (built by transformers) is causal:
+    transformers' attention modules say which they are (``is_causal``). BERT-like encoders are in transformers'
+    causal-LM mapping too (``BertLMHeadModel``), but with ``is_decoder=False`` each token sees the whole sequence:
+    a masked LM, whose step is not the causal LM step this course dry-runs. (A decoder's cross-attention is not
+    causal either; its causal self-attention is what counts.)"""
+    flags = [
+        (type(m).__name__, m.is_causal) for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    ]
+    if flags and not any(causal for _, causal in flags):
+        decoder, names = getattr(cfg, "is_decoder", None), ", ".join(sorted({name for name, _ in flags}))
+        raise ValueError(
+            f"{type(cfg).__name__} ({cfg.model_type}) is not a causal language model: its {names} "
+            "attention sees the whole sequence (is_causal=False"
+            + (f"; the config has is_decoder={decoder}" if decoder is not None else "")
+            + "), so a dry run, which follows a causal LM's fine-tuning step, refuses it"
+        )
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -12,8 +12,9 @@ the caching-allocator simulator capped at the device's usable memory, and the sa
 * **Device rules.** The CUDA rules of :mod:`anatomy_helpers.prediction.cuda_rules` (dropout masks, cuBLAS and
   cuBLASLt workspaces, autocast's softmax, SDPA's backend) are stated for the course's GPT, op by op. On one named
   GPU, :mod:`anatomy_helpers.prediction.hf_cuda_rules` applies those that can be stated for a Hugging Face
-  architecture and names the rest in the report's rules line; per rank the phase needs follow the CPU kernels'
-  rules (:data:`HF_RULES`), as the course GPT's ranks do.
+  architecture and names the rest in the report's rules line; per rank, and on a device given by its size, the
+  phase needs follow the CPU kernels' rules (:data:`HF_RULES`), as the course GPT's ranks do. The report's
+  assumptions say so, with the step's own (:func:`hf_assumptions`).
 * **Data parallelism**: per rank under DDP or ZeRO, :func:`anatomy_helpers.distributed.hf_fit.will_it_fit_hf`
   dry-runs one rank of the sharded step on torch's fake process group, the engine lesson 08's per-rank tables run,
   and reports it through :func:`~anatomy_helpers.prediction.fit.trace_fit_report` too.
@@ -30,8 +31,32 @@ from .hf_step import FineTune
 
 #: The model states (a trace's categories).
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
-#: The rules of a Hugging Face model's rank: its dry run is on CPU kernels (hf_cuda_rules.py: one device only).
-HF_RULES = f"{CPU_RULES} (per rank: CUDA's rules are applied to one device's Hugging Face step only)"
+#: The rules of a Hugging Face step where CUDA's are not applied: per rank, or on a device given only by its size
+#: (hf_cuda_rules.py applies them on one named GPU).
+HF_RULES = (
+    f"{CPU_RULES}, not CUDA's: CUDA's rules are applied to a Hugging Face step on one named GPU only, not per rank "
+    "or on a device given by its size"
+)
+
+
+def hf_assumptions(ft: FineTune) -> tuple[str, ...]:
+    """What a Hugging Face fine-tune's report assumes about its step (the :class:`FitReport`'s assumptions):
+    unpadded full-length sequences (hf_step.HF_ASSUMPTIONS), no key/value cache, checkpointing, precision."""
+    checkpointing = "on (HF's gradient_checkpointing_enable())" if ft.gradient_checkpointing else "off"
+    weights = f"{ft.dtype} weights" + (
+        " (the frozen base; LoRA adapters as peft makes them)" if ft.method == "lora" else ""
+    )
+    return (
+        f"sequences: every row {ft.seq_len} tokens, full length: no padding, no attention_mask (a padded batch "
+        "with an attention_mask costs more: transformers builds a (batch, 1, s, s) mask, growing with s squared; "
+        "not modelled)",
+        "use_cache=False: the dry run turns transformers' key/value cache off, as a training loop should "
+        "(model.config.use_cache = False; gradient checkpointing turns it off too); left on, the forward also "
+        "returns every layer's keys and values, memory this prediction does not hold",
+        f"gradient checkpointing: {checkpointing}",
+        f"precision: {weights}, {f'{ft.autocast} autocast' if ft.autocast else 'no autocast'}, "
+        f"{ft.optimizer} state in its parameters' dtype",
+    )
 
 
 def describe_hf(cfg, ft: FineTune, name: str | None = None) -> str:

@@ -48,7 +48,7 @@ from ..training.step import AUTOCAST_CHOICES, StepPlan, run_step
 from ..training.train import OPTIMIZERS  # the one list of optimizer names (lesson 03's four)
 from .dryrun import DryRunError, build_fake_model, check_ops, refuse_compiled
 from .fake_check import CheckedFakeTensorMode
-from .hf import build_model, hf_config, tiny_config
+from .hf import build_model, hf_config, max_positions, tiny_config
 
 METHODS = ("full", "frozen", "lora")
 
@@ -57,7 +57,10 @@ HF_ASSUMPTIONS = (
     "Each row of the batch is one sequence: no padding, no packed sequences. On real data transformers reads the "
     "position ids to find packed sequences (masking_utils.find_packed_sequence_indices) and, finding none, skips "
     "building an attention mask; the dry run runs the same ops and takes that answer. Where transformers would "
-    "take its tracing path for fake tensors anywhere else (utils.is_tracing), the dry run is refused."
+    "take its tracing path for fake tensors anywhere else (utils.is_tracing), the dry run is refused. A padded "
+    "batch with an attention_mask is not modelled (transformers then builds a (batch, 1, s, s) mask). The key/value "
+    "cache is off (use_cache=False, make_hf_model), as a training loop should have it. Every fit report lists "
+    "these among its assumptions (hf_fit.hf_assumptions)."
 )
 
 
@@ -250,12 +253,11 @@ def check_positions(cfg, ft: FineTune) -> None:
     """ValueError if ``ft``'s sequences are longer than ``cfg``'s model takes. A real step would fail (GPT-2's
     learned position table has 1,024 rows: index out of range) or run past what the model was made for; a dry run
     reads no token ids, so without this it would return a number for a step that cannot run as configured."""
-    limit = getattr(cfg, "max_position_embeddings", None)
-    if isinstance(limit, int) and ft.seq_len > limit:
+    limit = max_positions(cfg)
+    if limit is not None and ft.seq_len > limit:
         raise ValueError(
             f"seq_len {ft.seq_len} is longer than {type(cfg).__name__} ({cfg.model_type}) takes: "
-            f"max_position_embeddings={limit}; use seq_len <= {limit}, or a config.json whose model takes longer "
-            "sequences"
+            f"{limit} positions; use seq_len <= {limit}, or a config.json whose model takes longer sequences"
         )
 
 
@@ -405,7 +407,7 @@ def twin_config(cfg, ft: FineTune):
     twin = tiny_config(cfg)
     window = getattr(cfg, "sliding_window", None)
     if window is not None and ft.seq_len <= window:
-        twin.sliding_window = twin.max_position_embeddings
+        twin.sliding_window = max_positions(twin)
     return twin
 
 
@@ -428,8 +430,8 @@ def dry_run_hf(cfg, ft: FineTune = FineTune(), steps: int = 2, *, check_on=None)
     cfg = hf_config(cfg)
     positive_int("steps", steps)
     check_positions(cfg, ft)
+    twin = check_on if check_on is not None else twin_config(cfg, ft)  # first: a model with no twin is refused
     trace, calls = _fake_run(cfg, ft, steps)
-    twin = check_on if check_on is not None else twin_config(cfg, ft)
     small = twin_fine_tune(ft)
     check_ops(calls, f"{cfg.model_type} ({type(cfg).__name__})", lambda: _fake_run(twin, small, 2)[1])
     return trace

@@ -33,7 +33,8 @@ from ..tracking.events import Peak
 from ..tracking.trace import Trace
 from .cuda_rules import CudaRuleError
 from .devices import Device
-from .fit import FitReport, FitRequest, PhaseNeed, dry_run_and_replay, fit_run
+from .fit import FitRequest, dry_run_and_replay, fit_run
+from .fit_report import FitReport, PhaseNeed
 from .flops import config_step_flops
 
 #: What a lever changes, in the order the ranking prefers them: only the time a step takes (the same maths), the
