@@ -402,7 +402,7 @@ def test_every_report_lists_its_assumptions():
     assert "device rules: CUDA rules from torch source" in block and "CUDA context: 512.00 MiB assumed" in block
     assert "not counted: kernel scratch (temporary buffers inside ops)\n" in block  # cuBLAS's workspaces applied
     sized = will_it_fit(cfg, 2, device=DEVICES["t4"].total, implementation="single").table()
-    assert "cuBLAS workspaces (up to 64.00 MiB)" in sized  # no capability: two of Hopper's 32 MiB, the largest
+    assert "cuBLAS and cuBLASLt workspaces (up to 66.00 MiB)" in sized  # no capability: 2 x (32 + 1) MiB
 
 
 def test_plot_and_panel(capsys):
