@@ -24,6 +24,8 @@ import sys
 
 import torch.nn as nn
 
+from ..core.tensors import SPARSE_GRADIENT_REASON, sparse_gradient_modules
+
 #: Why a tracked step refuses compiled code (the dry run says why it refuses in its own words).
 TRACKER_REASON = (
     "the tracker sees the eager ops torch dispatches one by one, not the fused kernels torch.compile makes (under "
@@ -65,6 +67,19 @@ def compiled_modules(model: nn.Module) -> list[str]:
         elif getattr(module, "_compiled_call_impl", None) is not None:
             found.append(f"{name or 'the model'} ({type(module).__name__}, by module.compile())")
     return list(dict.fromkeys(found))
+
+
+def refuse_untrackable(model: nn.Module) -> None:
+    """Refuse, before anything runs, a model the tracker cannot count: compiled code (:class:`CompiledCodeError`)
+    or a module that gets a sparse gradient (a ValueError: the tracker counts strided storages only)."""
+    compiled = compiled_modules(model)
+    if compiled:
+        raise CompiledCodeError(", ".join(compiled))
+    sparse = sparse_gradient_modules(model)
+    if sparse:
+        raise ValueError(
+            f"{', '.join(sparse)} gets a sparse gradient, which the tracker cannot count: {SPARSE_GRADIENT_REASON}"
+        )
 
 
 def compiled_function(exc: BaseException) -> str | None:

@@ -45,16 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..core import checkpointing
 from ..core.checks import positive_number
 from ..core.interrupts import DeferredInterrupt
-from ..core.tensors import (
-    ALLOCATES,
-    IN_PLACE,
-    SPARSE_GRADIENT_REASON,
-    VIEWS,
-    op_outputs,
-    optimizer_state_tensors,
-    sparse_gradient_modules,
-)
-from .compiled import CompiledCodeError, compiled_function, compiled_modules, refuse_compiled_code
+from ..core.tensors import ALLOCATES, IN_PLACE, VIEWS, op_outputs, optimizer_state_tensors
+from .compiled import CompiledCodeError, compiled_function, refuse_compiled_code, refuse_untrackable
 from .events import (
     ACTIVATIONS,
     BACKWARD,
@@ -183,14 +175,7 @@ class StepTracker(Recorder):
             raise ValueError("the optimizer holds none of the model's parameters: pass the optimizer of this model")
         if budget_bytes is not None:
             positive_number("budget_bytes", budget_bytes)
-        compiled = compiled_modules(model)
-        if compiled:
-            raise CompiledCodeError(", ".join(compiled))
-        sparse = sparse_gradient_modules(model)
-        if sparse:
-            raise ValueError(
-                f"{', '.join(sparse)} gets a sparse gradient, which the tracker cannot count: {SPARSE_GRADIENT_REASON}"
-            )
+        refuse_untrackable(model)  # compiled code, sparse gradients (compiled.py)
         first = next(iter(model.parameters()), None)
         super().__init__(
             first.device if first is not None else torch.device("cpu"), budget_bytes=budget_bytes, accumulate=accumulate
