@@ -118,7 +118,9 @@ def hf_predict_main(argv: list[str]) -> int:
         parser.exit(1, f"dry run refused: {e}\n")
     except (ValueError, ImportError) as e:  # e.g. a --freeze prefix or a LoRA target the model does not have
         parser.error(str(e))
-    search = search_fix_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero) if args.fix else None
+    search = None
+    if args.fix:
+        search = search_fix_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero, base=report)
     fixes = search.fixes if search else []
     extra = {}
     if search is not None and args.json:

@@ -301,7 +301,13 @@ def _as_fix(search: _Search, start: Setup, chosen: list[Lever], setup: Setup, pr
 
 
 def search_fix_hf(
-    model, fine_tune: FineTune | None = None, device="a100-80", *, world_size: int = 1, zero: int | None = None
+    model,
+    fine_tune: FineTune | None = None,
+    device="a100-80",
+    *,
+    world_size: int = 1,
+    zero: int | None = None,
+    base: FitReport | None = None,
 ) -> FixSearch:
     """The cheapest combination of the one catalogue's levers (prediction/levers.fine_tune_levers) that makes
     ``fine_tune`` of ``model`` fit on ``device`` (per rank with ``world_size > 1``, as :func:`will_it_fit_hf`).
@@ -313,10 +319,12 @@ def search_fix_hf(
     full dry run, whose exact peak and allocator verdict the :class:`Fix` carries. Where the combination that
     fits changes the training (a smaller batch, shorter sequences, LoRA) or nothing fits, the smallest
     data-parallel setup (:data:`MULTI_GPU` ranks, the same global batch, the lowest ZeRO stage) that fits the
-    fine-tune with the levers that keep its training is searched too. A step that fits as it is needs nothing."""
+    fine-tune with the levers that keep its training is searched too. A step that fits as it is needs nothing.
+    ``base``: the request's own report (:func:`will_it_fit_hf`), if made."""
     ft = FineTune() if fine_tune is None else fine_tune
     cfg, dev = _check_request(model, ft, device, world_size, zero)  # every argument, before any dry run
-    if will_it_fit_hf(model, ft, dev, world_size=world_size, zero=zero).fits:
+    base = will_it_fit_hf(model, ft, dev, world_size=world_size, zero=zero) if base is None else base
+    if base.fits:
         return FixSearch([], [], None, True, 1)
     catalogue = fine_tune_levers(ft, dev, world_size, zero)
     refused = [lv for lv in catalogue if lv.not_for_fine_tune]

@@ -53,7 +53,7 @@ def fixes_table(fixes: list[Fix]) -> str:
     unit, scale = pick_unit(max(f.report.peak.tensors for f in fixes))
     cols = [
         Col("rank", 4),
-        Col("change", 34, align="<", gap="  "),
+        Col("change", max(34, *(len(f.name) for f in fixes)), align="<", gap="  "),  # combinations are longer
         Col("peak", 8, ".2f"),
         Col("fits", 5),
         Col("extra FLOPs", 11, "+.0%"),
