@@ -258,6 +258,8 @@ def _greedy(search: _Search, start: Setup, catalogue: list[Lever]) -> tuple[list
     the full dry run confirms). Returns (the levers, their setup), or (the levers, None) if nothing fits."""
     chosen: list[Lever] = []
     best = search.screen(start)
+    if search.fits(start) and search.report(start).fits:  # e.g. more ranks that need no other change
+        return chosen, start
     for lever in catalogue:
         trial = [lv for lv in chosen if not (lever.family and lv.family == lever.family)] + [lever]
         setup = _apply(start, trial)
@@ -267,8 +269,8 @@ def _greedy(search: _Search, start: Setup, catalogue: list[Lever]) -> tuple[list
         chosen, best = trial, peak
         if peak <= search.dev.usable and search.report(setup).fits:  # screened, then confirmed by the full run
             break
-    if not chosen or not search.report(_apply(start, chosen)).fits:
-        return chosen, None
+    if not chosen or not search.fits(_apply(start, chosen)) or not search.report(_apply(start, chosen)).fits:
+        return chosen, None  # (a full dry run only for what screens as fitting)
     confirmed = chosen
     for lever in reversed(list(chosen)):
         rest = [lv for lv in chosen if lv is not lever]
