@@ -332,6 +332,7 @@ def search_fix_hf(
     refused = [lv for lv in catalogue if lv.not_for_fine_tune]
     usable = [lv for lv in catalogue if not lv.not_for_fine_tune]
     search, start = _Search(model, cfg, dev), Setup(ft, world_size, zero)
+    search.reports[start] = base
     chosen, setup = _greedy(search, start, usable)
     fixes = []
     if setup is not None and search.report(setup).fits:
