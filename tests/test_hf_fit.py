@@ -1,6 +1,8 @@
 """Will a Hugging Face fine-tune fit (prediction/hf_fit.py on one device; distributed/hf_fit.py per rank: a dry run
 of one rank of the sharded step, by the engine the course GPT's ranks use)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -177,16 +179,19 @@ def test_the_flop_count_from_one_and_two_layers_is_the_whole_models():
         assert hf_step_flops(cfg, ft) == _flops_of(cfg, ft) > 0
 
 
-def test_cheapest_fix_hf_ranks_dry_run_candidates(runs):
+def test_cheapest_fix_hf_ranks_dry_run_candidates():
     """Per rank (world size 2): the search's combination is made of the one catalogue's levers (ZeRO stages
-    among them), fits, and is the report of the setup it names; a step that fits needs nothing."""
+    among them), fits, and is the report of the setup it names; a step that fits needs nothing. The device holds
+    rank 0 of ZeRO-3 with 4 micro-batches and checkpointing (the simulated allocator's reserved bytes), so a
+    combination fits; the request (DDP, no lever) does not."""
     from anatomy_helpers.distributed.hf_fit import cheapest_fix_hf
     from anatomy_helpers.prediction.levers import fine_tune_levers
 
-    cfg, _ = runs
-    ft = FineTune(dtype="bfloat16", fused=True)
-    trace = dry_run_hf(cfg, ft)
-    device = get_device("h100").context + trace.peak().bytes - 1  # the request itself does not fit
+    cfg = tiny_config("llama-3.2-1b", layers=2, head_dim=32, vocab=4096)  # MiBs: the allocator's segments matter less
+    ft = FineTune(batch_size=8, seq_len=64, dtype="bfloat16", fused=True)
+    low = will_it_fit_hf(cfg, dataclasses.replace(ft, micro_batches=4, gradient_checkpointing=True), "h100",
+                         world_size=2, zero=3)  # fmt: skip
+    device = get_device("h100").context + max(p.reserved for p in low.phases)
     base = will_it_fit_hf(cfg, ft, device, world_size=2)
     assert not base.fits
     fixes = cheapest_fix_hf(cfg, ft, device, world_size=2)
