@@ -55,8 +55,8 @@ def _expected(cfg, ft):
 @pytest.mark.parametrize("fields", [*CLAIMED.values(), dict(optimizer="adamw8bit", dtype="float32")])
 def test_a_recipes_bytes_per_parameter_are_the_traces_model_states(fields):
     """Weights + gradients + optimizer state before step 2's optimizer step, from numel alone x the recipe's bytes
-    per parameter (and the model's buffers), and torch's one 4-byte step per trained tensor; AdamW8bit's from a real run (its dry run is
-    refused), its per-tensor code books and scales bounded."""
+    per parameter (and the model's buffers), and torch's one 4-byte step per trained tensor; AdamW8bit's from a
+    real run (its dry run is refused), its per-tensor code books and scales bounded."""
     cfg, ft = tiny_config("llama-3.2-1b", layers=2), FineTune(**fields)
     real = track_hf(cfg, ft, steps=2, kernel_scratch=False)
     last = real.phase(real.training_steps()[-1], "optimizer")
