@@ -667,6 +667,13 @@ MUTANTS = [
         'parser.exit(0, f"dry run refused: {e}\\n")',
         ("tests/test_cli_hf.py::test_predict_hf_refused_by_the_dry_run_exits_1_saying_why",),
     ),
+    Mutant(
+        "recipes.lora-adapters-in-the-base-dtype",
+        "prediction/recipes.py",
+        'trained_weight = 4 if ft.method == "lora" else weight',
+        "trained_weight = weight",
+        ("tests/test_hf_recipes.py::test_a_recipes_bytes_per_parameter_are_the_traces_model_states",),
+    ),
     # ---- one lever catalogue (prediction/levers.py, fixes.py: issue #40's ranking rules)
     Mutant(
         "levers.saving-nothing-kept",

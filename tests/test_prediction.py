@@ -216,8 +216,10 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
     assert chunked / none - 1 == pytest.approx(2 * tokens * h * v / none)  # the head's matmul, recomputed
     ck = next(f for f in fixes if f.name == "checkpoint=full")
     assert ck.extra_flops == pytest.approx(full / none - 1) and ck.effect == "time only"
-    effects = {f.name: f.effect for f in fixes}
+    effects = {f.name: f.effect for f in fixes if f.lever is not None}  # one lever each (a combination: none)
     assert {e for n, e in effects.items() if n.startswith("micro-batch ")} == {"time only"}
+    for both in (f for f in fixes if f.lever is None):  # a combination, where no one lever fits: its costliest effect
+        assert " + " in both.name and both.fits and both is fixes[0]
     assert {e for n, e in effects.items() if n.endswith("(smaller global batch)")} == {"global batch"}
     assert effects.get("bf16 optimizer state", "numerics") == "numerics"
     assert effects.get("SGD with momentum", "optimizer") == "optimizer"

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..distributed.hf_fit import ZERO_STRATEGIES, cheapest_fix_hf, will_it_fit_hf
+from ..distributed.hf_fit import ZERO_STRATEGIES, search_fix_hf, will_it_fit_hf
 from ..prediction.dryrun import DryRunError
 from ..prediction.fit import IMPLEMENTATION_FLAGS, usable_device
 from ..prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED, hf_config
-from ..prediction.hf_step import FineTune
-from ..training.train import OPTIMIZERS
+from ..prediction.hf_step import FINE_TUNE_OPTIMIZERS, FineTune
+from ..prediction.recipes import RECIPES, REFUSED, device_recipe
 from .common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit
 
 
@@ -35,7 +35,14 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seq-len", type=positive_int_arg, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--batch-size", type=positive_int_arg, default=1, help="sequences per step and rank (default: 1)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default: bfloat16)")
+    p.add_argument(
+        "--dtype", choices=DTYPES, default=None,
+        help="the weights' dtype (default: the device's recipe: bfloat16, or float32 + fp16 autocast below 8.0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--recipe", choices=(*RECIPES, *REFUSED), default=None,
+        help="a named precision recipe (sets --dtype and --autocast; prediction/recipes.py)",
+    )  # fmt: skip
     p.add_argument(
         "--attn", dest="attn_implementation", choices=ATTN_IMPLEMENTATIONS, default="sdpa",
         help="attention (default: sdpa)",
@@ -46,7 +53,7 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
         help="mixture of experts: transformers' implementation (default: grouped_mm)",
     )  # fmt: skip
     p.add_argument("--gradient-checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
+    p.add_argument("--optimizer", choices=FINE_TUNE_OPTIMIZERS, default="adamw", help="optimizer (default: adamw)")
     p.add_argument("--lora-rank", type=positive_int_arg, default=None, help="train LoRA adapters of this rank (peft)")
     p.add_argument("--lora-alpha", type=positive_int_arg, default=None, help="with --lora-rank (default: 2 x rank)")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
@@ -59,8 +66,9 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fine_tune(args):
-    """The FineTune the options describe; ValueError naming the option for a bad combination."""
+def _fine_tune(args, device) -> tuple[FineTune, str]:
+    """The FineTune the options describe, and why its precision recipe was chosen ("" when the options chose it);
+    ValueError naming the option for a bad combination."""
 
     lora = args.lora_rank is not None
     if args.freeze and lora:
@@ -74,15 +82,22 @@ def _fine_tune(args):
         )
     if args.zero is not None and args.world_size == 1:
         raise ValueError(f"--zero {args.zero} shards across ranks: it needs --world-size > 1")
-    foreach, fused = IMPLEMENTATION_FLAGS[args.impl]
+    if args.recipe is not None and (args.dtype or args.autocast):
+        raise ValueError("--recipe sets --dtype and --autocast: give one or the other")
+    foreach, fused = IMPLEMENTATION_FLAGS[args.impl] if args.optimizer != "adamw8bit" else (None, None)
     method = "lora" if lora else "frozen" if args.freeze else "full"
     fields = {k: v for k, v in fields_given(args, FineTune).items() if v is not None}  # None: FineTune's default
     fields |= dict(foreach=foreach, fused=fused, method=method, freeze=tuple(args.freeze or ()))
+    why = ""
+    if args.recipe in RECIPES:
+        fields["dtype"], fields["autocast"] = RECIPES[args.recipe]
+    elif args.dtype is None and args.autocast is None:
+        fields["dtype"], fields["autocast"], why = device_recipe(method, device)
     if lora:
         fields["lora_alpha"] = args.lora_alpha or 2 * args.lora_rank
         if args.lora_targets:
             fields["lora_targets"] = tuple(args.lora_targets)
-    return FineTune(**fields)
+    return FineTune(**fields), why
 
 
 def hf_predict_main(argv: list[str]) -> int:
@@ -90,21 +105,32 @@ def hf_predict_main(argv: list[str]) -> int:
     parser = build_hf_predict_parser()
     args = parser.parse_args(argv)
     try:  # every value is checked here, before the dry run
-        ft = _fine_tune(args)
         device = usable_device(device_of(args))
+        ft, why = _fine_tune(args, device)
     except ValueError as e:
         parser.error(str(e))
+    if args.recipe in REFUSED:
+        parser.exit(1, f"dry run refused: the {args.recipe} recipe: {REFUSED[args.recipe]}\n")
     try:
         hf_config(args.hf)
     except (ValueError, ImportError) as e:
         parser.error(f"--hf {args.hf}: {e}")
     try:
-        report = will_it_fit_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero)
+        report = will_it_fit_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero, why=why)
     except DryRunError as e:  # the step is refused by the dry run, not the options
         parser.exit(1, f"dry run refused: {e}\n")
     except (ValueError, ImportError) as e:  # e.g. a --freeze prefix or a LoRA target the model does not have
         parser.error(str(e))
-    fixes = cheapest_fix_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero) if args.fix else []
+    search = None
+    if args.fix:
+        search = search_fix_hf(args.hf, ft, device, world_size=args.world_size, zero=args.zero, base=report)
+    fixes = search.fixes if search else []
+    extra = {}
+    if search is not None and args.json:
+        extra["refused"] = {lv.name: lv.not_for_fine_tune for lv in search.refused}
+        extra["one_device_fits"] = search.one_device
+        more = search.more_gpus
+        extra["more_gpus"] = None if more is None else {"setup": more.name, "peak_bytes": more.report.peak.tensors}
     print_fit(
         report,
         fixes,
@@ -114,5 +140,8 @@ def hf_predict_main(argv: list[str]) -> int:
         world_size=args.world_size,
         zero=args.zero,
         note=report.note,
+        **extra,
     )
+    if search is not None and not args.json and not report.fits:
+        print(search.text(device.name))
     return 0

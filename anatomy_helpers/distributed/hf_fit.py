@@ -21,22 +21,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from dataclasses import dataclass
 
 import torch.nn as nn
 
 from ..core.checks import one_of, positive_int
 from ..prediction.devices import DEFAULT_GPU
-from ..prediction.dryrun import check_ops
-from ..prediction.fit import trace_fit_report
+from ..prediction.dryrun import DryRunError, check_ops
+from ..prediction.fit import precision_note, trace_fit_report
 from ..prediction.fit_report import FitReport, size_text
 from ..prediction.hf import hf_config
 from ..prediction.hf_cuda_rules import hf_cuda_rules
 from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf, hf_assumptions
-from ..prediction.hf_fixes import LORA_RANK, hf_step_flops
+from ..prediction.hf_fixes import hf_step_flops, layers_of
 from ..prediction.hf_step import (
     FineTune,
+    check_dry_runnable,
     check_positions,
     dry_run_hf,
+    fake_run,
     hf_batch,
     hf_dry_run,
     hf_loss,
@@ -45,7 +49,8 @@ from ..prediction.hf_step import (
     twin_config,
     twin_fine_tune,
 )
-from ..prediction.levers import Fix, ranked
+from ..prediction.levers import EFFECTS, Fix, Lever, Setup, fine_tune_levers, rank_key
+from ..prediction.recipes import recipe_of
 from ..tracking.trace import Trace
 from .fake_world import FakeRun, check_rank_job, fake_rank
 from .ranks import RankJob, Trainee
@@ -83,6 +88,7 @@ def hf_job(ft: FineTune, world_size: int, zero: int) -> tuple[RankJob, Trainee]:
 
 
 def _hf_rank(cfg, ft: FineTune, world_size: int, zero: int, rank: int) -> tuple[FakeRun, dict]:
+    check_dry_runnable(ft)
     job, trainee = hf_job(ft, world_size, zero)
     check_rank_job(job, world_size, rank)
     whole = dataclasses.replace(ft, batch_size=job.batch_size)  # the global batch: each rank copies its rows
@@ -141,86 +147,237 @@ def will_it_fit_hf(
     world_size: int = 1,
     zero: int | None = None,
     trace: Trace | None = None,
+    why: str = "",
 ) -> FitReport:
     """Will ``fine_tune`` (default ``FineTune()``) of ``model`` fit on ``device``, on one device or per rank:
     ``world_size > 1`` is data parallelism under ZeRO stage ``zero`` (0: DDP, the default; 1, 2, 3), each rank
     running ``fine_tune`` on its own batch; the report is rank 0's, from :func:`dry_run_hf_rank`. With
     ``world_size == 1``: prediction/hf_fit.py's one-device report. ``trace``: the dry run (of that rank), if made.
+    The report's note names the precision recipe and its bytes per parameter (prediction/recipes.py), ``why`` it
+    was chosen (recipes.device_recipe's reason), and warns of bf16 asked for on a GPU without native bf16.
     """
     fine_tune = FineTune() if fine_tune is None else fine_tune
     cfg, dev = _check_request(model, fine_tune, device, world_size, zero)
     label = describe_hf(cfg, fine_tune, model if isinstance(model, str) else None)
+    notes = [recipe_of(fine_tune).text(), why, precision_note(fine_tune.dtype, fine_tune.autocast, dev)]
     if world_size == 1:
         trace = dry_run_hf(cfg, fine_tune, steps=2) if trace is None else trace
+        note = "\n".join(filter(None, notes))
         if dev.capability is None:  # a size alone: the CPU kernels' rules
-            return trace_fit_report(trace, label, dev, rules=HF_RULES, assumptions=hf_assumptions(fine_tune))
+            return trace_fit_report(trace, label, dev, note, HF_RULES, hf_assumptions(fine_tune))
         corrections, rules = hf_cuda_rules(trace, cfg, fine_tune, dev)  # CUDA's, applied or named
-        return trace_fit_report(
-            trace, label, dev, rules=rules, assumptions=hf_assumptions(fine_tune), corrections=corrections
-        )
+        return trace_fit_report(trace, label, dev, note, rules, hf_assumptions(fine_tune), corrections)
     stage = zero or 0
     trace = dry_run_hf_rank(cfg, fine_tune, world_size, stage).result.trace if trace is None else trace
-    note = rank_note(trace, world_size, stage)
-    return trace_fit_report(trace, label, dev, note, HF_RULES, hf_assumptions(fine_tune))
+    notes.append(rank_note(trace, world_size, stage))
+    return trace_fit_report(trace, label, dev, "\n".join(filter(None, notes)), HF_RULES, hf_assumptions(fine_tune))
+
+
+#: What a change may do and still train the fine-tune as asked (the same data, the same trained parameters).
+KEEPS_TRAINING = ("time only", "numerics")
+#: World sizes the search tries when no one device fits the fine-tune as it trains (same global batch).
+MULTI_GPU = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class FixSearch:
+    """What :func:`search_fix_hf` found: ``fixes``, the combinations that fit (or, where none does, the closest
+    one tried), each confirmed by a full dry run, ranked by :func:`~anatomy_helpers.prediction.levers.rank_key`;
+    ``refused``, the catalogue's levers a fine-tune's dry run cannot take (each with its reason); ``more_gpus``,
+    the smallest data-parallel setup (world size, ZeRO stage) that fits the fine-tune as it trains, where one
+    device does not without changing what it trains; ``dry_runs``, the screening and confirming dry runs made."""
+
+    fixes: list[Fix]
+    refused: list[Lever]
+    more_gpus: Fix | None
+    one_device: bool
+    dry_runs: int
+
+    def text(self, device_name: str) -> str:
+        """What the table of fixes does not say: the refused levers, and the multi-GPU answer."""
+        lines = [f"refused by name: {lv.name}: {lv.not_for_fine_tune}" for lv in self.refused]
+        if not self.one_device:
+            lines.append(f"no single {device_name} fits this fine-tune as it trains (the same data and trained "
+                         "parameters)")  # fmt: skip
+        if self.more_gpus is not None:
+            peak = size_text(self.more_gpus.report.peak.tensors)
+            lines.append(f"{self.more_gpus.name} does: {peak} of tensors at rank 0's peak (a dry run of that rank)")
+        elif not self.one_device:
+            lines.append(f"nor does any of {', '.join(map(str, MULTI_GPU))} GPUs under ZeRO-1/2/3 tried")
+        lines.append(f"({self.dry_runs} dry runs: pairs of one- and two-layer screens, and full confirmations)")
+        return "\n".join(lines)
+
+
+class _Search:
+    """Screens setups of one fine-tune: each setup's peak of tensor bytes extrapolated from dry runs of its
+    model cut to one and two decoder layers (``P1 + (L - 1) (P2 - P1)``: the layers are identical), cached; a
+    candidate that screens as fitting is then confirmed by the full dry run (:func:`will_it_fit_hf`)."""
+
+    def __init__(self, model, cfg, dev):
+        self.model, self.cfg, self.dev = model, cfg, dev
+        self.screens: dict[Setup, int | None] = {}
+        self.reports: dict[Setup, FitReport] = {}
+
+    def screen(self, setup: Setup) -> int | None:
+        if setup not in self.screens:
+            peaks = []
+            for n in (1, 2):
+                small = layers_of(self.cfg, n)
+                try:
+                    if setup.world_size == 1:
+                        trace = fake_run(small, setup.fine_tune, 2)[0]
+                    else:
+                        run = _hf_rank(small, setup.fine_tune, setup.world_size, setup.zero or 0, 0)[0]
+                        trace = run.result.trace
+                except (DryRunError, ValueError):
+                    peaks = None
+                    break
+                peaks.append(trace.peak().bytes)
+            layers = self.cfg.num_hidden_layers
+            self.screens[setup] = None if peaks is None else peaks[0] + (layers - 1) * (peaks[1] - peaks[0])
+        return self.screens[setup]
+
+    def fits(self, setup: Setup) -> bool:
+        peak = self.screen(setup)
+        return peak is not None and peak <= self.dev.usable
+
+    def report(self, setup: Setup) -> FitReport:
+        if setup not in self.reports:
+            ft, ws = setup.fine_tune, setup.world_size
+            self.reports[setup] = will_it_fit_hf(self.model, ft, self.dev, world_size=ws, zero=setup.zero)
+        return self.reports[setup]
+
+
+def _apply(start: Setup, chosen: list[Lever]) -> Setup | None:
+    setup = start
+    for lever in chosen:
+        setup = setup.but(lever)
+        if setup is None:
+            return None
+    return setup
+
+
+def _greedy(search: _Search, start: Setup, catalogue: list[Lever]) -> tuple[list[Lever], Setup | None]:
+    """Levers added one at a time in the catalogue's order (by what they change, then cost), each kept only where
+    it lowers the screened peak (a lever of a family replaces its family's), until the setup screens as fitting
+    and its full dry run confirms it; then each kept lever, the costliest first, dropped if the rest still
+    screens as fitting, and a family's lever lowered to the smallest of its family that still does (kept only if
+    the full dry run confirms). Returns (the levers, their setup), or (the levers, None) if nothing fits."""
+    chosen: list[Lever] = []
+    best = search.screen(start)
+    if search.fits(start) and search.report(start).fits:  # e.g. more ranks that need no other change
+        return chosen, start
+    for lever in catalogue:
+        trial = [lv for lv in chosen if not (lever.family and lv.family == lever.family)] + [lever]
+        setup = _apply(start, trial)
+        peak = None if setup is None else search.screen(setup)
+        if peak is None or best is None or peak >= best:
+            continue  # saves nothing: dropped
+        chosen, best = trial, peak
+        if peak <= search.dev.usable and search.report(setup).fits:  # screened, then confirmed by the full run
+            break
+    if not chosen or not search.fits(_apply(start, chosen)) or not search.report(_apply(start, chosen)).fits:
+        return chosen, None  # (a full dry run only for what screens as fitting)
+    confirmed = chosen
+    for lever in reversed(list(chosen)):
+        rest = [lv for lv in chosen if lv is not lever]
+        setup = _apply(start, rest)
+        if setup is not None and search.fits(setup):
+            chosen = rest
+    for lever in list(chosen):
+        smaller = [lv for lv in catalogue if lever.family and lv.family == lever.family]
+        for other in smaller[: smaller.index(lever)] if smaller else ():
+            trial = [other if lv is lever else lv for lv in chosen]
+            setup = _apply(start, trial)
+            if setup is not None and search.fits(setup):
+                chosen = trial
+                break
+    if not search.report(_apply(start, chosen)).fits:  # the allocator's rounding, which the screen does not see
+        chosen = confirmed
+    return chosen, _apply(start, chosen)
+
+
+def _as_fix(search: _Search, start: Setup, chosen: list[Lever], setup: Setup, prefix: str = "") -> Fix:
+    """The confirmed Fix of ``setup`` (``chosen`` applied to ``start``): its full dry run's report, the largest
+    effect of its levers, its extra FLOPs per token (prediction/hf_fixes.hf_step_flops)."""
+    cfg, old, new = search.cfg, start.fine_tune, setup.fine_tune
+    per_token = lambda ft: hf_step_flops(cfg, ft) / (ft.batch_size * ft.seq_len)  # noqa: E731
+    extra = per_token(new) / per_token(old) - 1 if new != old else 0.0
+    effect = max((lv.effect for lv in chosen), key=EFFECTS.index, default="time only")
+    name = " + ".join([prefix, *(lv.name for lv in chosen)] if prefix else [lv.name for lv in chosen])
+    note = "; ".join(lv.note for lv in chosen if lv.note)
+    return Fix(name, search.report(setup), extra, effect, note, new.micro_batches, setup=setup)
+
+
+def search_fix_hf(
+    model,
+    fine_tune: FineTune | None = None,
+    device=DEFAULT_GPU,
+    *,
+    world_size: int = 1,
+    zero: int | None = None,
+    base: FitReport | None = None,
+) -> FixSearch:
+    """The cheapest combination of the one catalogue's levers (prediction/levers.fine_tune_levers) that makes
+    ``fine_tune`` of ``model`` fit on ``device`` (per rank with ``world_size > 1``, as :func:`will_it_fit_hf`).
+
+    A greedy search (:func:`_greedy`): levers taken in the ranking's order (what they change, :data:`EFFECTS`,
+    then cost), each kept only where it lowers the peak, until the step fits; then what saves nothing is dropped.
+    Candidates are screened by dry runs of the model cut to one and two decoder layers (a tensor peak
+    extrapolated to every layer: tens of small dry runs, not full ones); the combination found is confirmed by the
+    full dry run, whose exact peak and allocator verdict the :class:`Fix` carries. Where the combination that
+    fits changes the training (a smaller batch, shorter sequences, LoRA) or nothing fits, the smallest
+    data-parallel setup (:data:`MULTI_GPU` ranks, the same global batch, the lowest ZeRO stage) that fits the
+    fine-tune with the levers that keep its training is searched too. A step that fits as it is needs nothing.
+    ``base``: the request's own report (:func:`will_it_fit_hf`), if made."""
+    ft = FineTune() if fine_tune is None else fine_tune
+    cfg, dev = _check_request(model, ft, device, world_size, zero)  # every argument, before any dry run
+    base = will_it_fit_hf(model, ft, dev, world_size=world_size, zero=zero) if base is None else base
+    if base.fits:
+        return FixSearch([], [], None, True, 1)
+    catalogue = fine_tune_levers(ft, dev, world_size, zero)
+    refused = [lv for lv in catalogue if lv.not_for_fine_tune]
+    usable = [lv for lv in catalogue if not lv.not_for_fine_tune]
+    search, start = _Search(model, cfg, dev), Setup(ft, world_size, zero)
+    search.reports[start] = base
+    chosen, setup = _greedy(search, start, usable)
+    fixes = []
+    if setup is not None and search.report(setup).fits:
+        fixes.append(_as_fix(search, start, chosen, setup))
+    keeps = [lv for lv in usable if lv.effect in KEEPS_TRAINING]
+    one_device = any(f.effect in KEEPS_TRAINING for f in fixes)
+    more = None
+    if not one_device and world_size == 1:
+        more = _more_gpus(search, ft, keeps)
+    n = sum(1 for v in search.screens.values() if v is not None) * 2 + len(search.reports) + 1
+    return FixSearch(sorted(fixes, key=rank_key), refused, more, one_device, n)
+
+
+def _more_gpus(search: _Search, ft: FineTune, keeps: list[Lever]) -> Fix | None:
+    """The smallest world size of :data:`MULTI_GPU`, then the lowest ZeRO stage, at which ``ft`` (the same global
+    batch, split over the ranks) fits with the levers that keep its training (:func:`_greedy` over ``keeps``):
+    stages screened from 3 down while they fit, then the lowest confirmed by a full dry run of rank 0."""
+    keeps = [lv for lv in keeps if "zero" not in lv.fine_tune]
+    for n in MULTI_GPU:
+        if ft.batch_size % n:
+            continue
+        rows = ft.batch_size // n
+        per_rank = dataclasses.replace(ft, batch_size=rows, micro_batches=math.gcd(rows, ft.micro_batches))
+        found = []
+        for stage in (3, 2, 1):
+            start = Setup(per_rank, n, stage)
+            chosen, setup = _greedy(search, start, keeps)
+            if setup is None:
+                break
+            found.append((start, chosen, setup))
+        for start, chosen, setup in reversed(found):
+            if search.report(setup).fits:
+                return _as_fix(search, start, chosen, setup, f"{n} GPUs, ZeRO-{start.zero}")
+    return None
 
 
 def cheapest_fix_hf(
     model, fine_tune: FineTune | None = None, device=DEFAULT_GPU, *, world_size: int = 1, zero: int | None = None
 ) -> list[Fix]:
-    """Candidate changes of ``fine_tune`` on ``model``, each dry-run (per rank with ``world_size > 1``, as
-    :func:`will_it_fit_hf`), ranked by the course's one key (prediction/levers.py: what fits first, then what
-    they change, then extra FLOPs, prediction/hf_fixes.hf_step_flops), by its rules: nothing where the step fits
-    as it is, and no candidate that does not lower the peak:
-
-    * **micro-batches** (time only): 2, 4, ... dividing the batch, up to the first that fits;
-    * **gradient checkpointing** (time only: recomputes the forward in backward);
-    * **the fused optimizer** (time only), for Adam and AdamW;
-    * **a higher ZeRO stage** (time only: more communication), with ``world_size > 1``;
-    * **precision** (numerics): bf16 autocast over fp32 weights, and bf16 weights, for an fp32 fine-tune;
-    * **LoRA** rank :data:`~anatomy_helpers.prediction.hf_fixes.LORA_RANK` on all linear layers, bf16 base (trains
-      adapters, not the model), for a full or frozen fine-tune.
-    """
-    ft = FineTune() if fine_tune is None else fine_tune
-    cfg, _ = _check_request(model, ft, device, world_size, zero)  # every argument, before any dry run
-    base = will_it_fit_hf(model, ft, device, world_size=world_size, zero=zero)
-    if base.fits:
-        return []  # no change needed (the catalogue's ranking rules: prediction/levers.py)
-    base_flops = hf_step_flops(cfg, ft)
-    fixes: list[Fix] = []
-
-    def add(name, effect, note, new_ft=ft, new_zero=zero, micro=1):
-        report = will_it_fit_hf(model, new_ft, device, world_size=world_size, zero=new_zero)
-        extra = hf_step_flops(cfg, new_ft) / base_flops - 1 if new_ft != ft else 0.0
-        fixes.append(Fix(name, report, extra, effect, note, micro))
-
-    k = 2 * ft.micro_batches
-    while k <= ft.batch_size and not any(f.fits for f in fixes):
-        if ft.batch_size % k == 0:
-            note = "same global batch; the accumulated gradients are in the dry run"
-            micro = dataclasses.replace(ft, micro_batches=k)
-            add(f"micro-batch {ft.batch_size // k} x {k}", "time only", note, micro, micro=k)
-        k *= 2
-    if not ft.gradient_checkpointing:
-        gc = dataclasses.replace(ft, gradient_checkpointing=True)
-        add("gradient checkpointing", "time only", "recomputes each layer's forward in backward", gc)
-    if ft.optimizer in ("adam", "adamw") and not ft.fused:
-        fused = dataclasses.replace(ft, foreach=None, fused=True)
-        add("fused optimizer", "time only", "no optimizer temporaries; same maths", fused)
-    if world_size > 1:
-        for stage in range((zero or 0) + 1, len(ZERO_STRATEGIES)):
-            add(f"ZeRO-{stage}", "time only", f"{ZERO_STRATEGIES[stage]}: more communication", new_zero=stage)
-    if ft.dtype == "float32" and ft.autocast is None:
-        autocast = dataclasses.replace(ft, autocast="bfloat16")
-        add("bf16 autocast", "numerics", "fp32 weights and state; 16-bit matmuls (CPU autocast's op lists)", autocast)
-        add(
-            "bf16 weights",
-            "numerics",
-            "weights, gradients and optimizer state in bf16",
-            dataclasses.replace(ft, dtype="bfloat16"),
-        )
-    if ft.method != "lora":
-        lora = dataclasses.replace(ft, method="lora", freeze=(), lora_rank=LORA_RANK, lora_alpha=2 * LORA_RANK,
-                                   dtype="bfloat16" if ft.dtype == "float32" else ft.dtype)  # fmt: skip
-        note = "trains adapters on all linear layers, the base frozen in bf16: another fine-tune"
-        add(f"LoRA r={LORA_RANK}", "trained parameters", note, lora)
-    return ranked(fixes, base)
+    """The fitting combinations :func:`search_fix_hf` finds (its ``fixes``; empty where the step fits as it is)."""
+    return search_fix_hf(model, fine_tune, device, world_size=world_size, zero=zero).fixes

@@ -184,9 +184,10 @@ class FitRequest:
         return dev
 
 
-def precision_note(cfg: ModelConfig, autocast: str | None, device: Device) -> str:
-    """A warning where the run asks for bfloat16 on a GPU without native bf16 (compute capability < 8.0)."""
-    if device.bf16_native is False and "bfloat16" in (autocast, cfg.dtype):
+def precision_note(dtype: str, autocast: str | None, device: Device) -> str:
+    """A warning where the run asks for bfloat16 (``dtype``: the weights') on a GPU without native bf16 (compute
+    capability < 8.0); also the reason a Hugging Face fine-tune's recipe changes there (recipes.device_recipe)."""
+    if device.bf16_native is False and "bfloat16" in (autocast, dtype):
         major, minor = device.capability
         return (
             f"note: {device.name} (compute capability {major}.{minor}) has no native bfloat16 (from 8.0 on); "
@@ -215,7 +216,7 @@ def will_it_fit(cfg: ModelConfig | None = None, batch_size: int = 8, **options) 
     """
     request = FitRequest(cfg if cfg is not None else ModelConfig(), batch_size, **options)
     dev = request.check()
-    return fit_run(request, dev, precision_note(request.cfg, request.autocast, dev))
+    return fit_run(request, dev, precision_note(request.cfg.dtype, request.autocast, dev))
 
 
 #: How many dry runs (with their uncapped allocator replays) are kept for reuse. A dry run is deterministic (shapes

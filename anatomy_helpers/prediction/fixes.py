@@ -13,7 +13,7 @@ from ..core.tables import Col, format_table
 from ..core.units import pick_unit
 from .fit import FitRequest, fit_run
 from .flops import config_step_flops
-from .levers import EFFECTS, Fix, levers, rank_key, ranked, try_levers
+from .levers import EFFECTS, Fix, combined, levers, rank_key, ranked, try_levers
 
 __all__ = ["EFFECTS", "Fix", "cheapest_fix", "config_step_flops", "fixes_table", "rank_key"]
 
@@ -32,7 +32,8 @@ def cheapest_fix(cfg: ModelConfig | None = None, batch_size: int = 8, **options)
     precision follows the device: bf16 autocast from compute capability 8.0, fp16 autocast with a GradScaler on a
     T4 (7.5); the fp32 parameters stay the master weights (pure 16-bit weights need a custom optimizer, which
     ``dry_run_config`` cannot build: not offered). With ``micro_batches=m`` every candidate keeps it, and the
-    accumulation candidates try 2m, 4m, ... micro-batches.
+    accumulation candidates try 2m, 4m, ... micro-batches. Where no one lever fits, the list starts with a
+    combination of levers that does (:func:`~anatomy_helpers.prediction.levers.combined`), if there is one.
     """
     request = FitRequest(cfg if cfg is not None else ModelConfig(), batch_size, **options)
     dev = request.check()
@@ -40,7 +41,11 @@ def cheapest_fix(cfg: ModelConfig | None = None, batch_size: int = 8, **options)
     if base.fits:
         return []
     catalogue = levers(request.cfg, batch_size=batch_size, micro_batches=request.micro_batches, device=dev)
-    return ranked(try_levers(request, dev, catalogue), base)
+    fixes = ranked(try_levers(request, dev, catalogue), base)
+    if not any(f.fits for f in fixes):  # no one lever fits: the cheapest combination that does, first
+        both = combined(request, dev, catalogue)
+        fixes = fixes if both is None else [both, *fixes]
+    return fixes
 
 
 def fixes_table(fixes: list[Fix]) -> str:
@@ -48,7 +53,7 @@ def fixes_table(fixes: list[Fix]) -> str:
     unit, scale = pick_unit(max(f.report.peak.tensors for f in fixes))
     cols = [
         Col("rank", 4),
-        Col("change", 34, align="<", gap="  "),
+        Col("change", max(34, *(len(f.name) for f in fixes)), align="<", gap="  "),  # combinations are longer
         Col("peak", 8, ".2f"),
         Col("fits", 5),
         Col("extra FLOPs", 11, "+.0%"),

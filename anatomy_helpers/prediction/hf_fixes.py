@@ -21,7 +21,7 @@ from .hf_step import FineTune, as_real_run, hf_plan, make_hf_model, make_hf_opti
 LORA_RANK = 16
 
 
-def _layers(cfg, n: int):
+def layers_of(cfg, n: int):
     """``cfg`` with ``n`` decoder layers (its per-layer lists cut to them)."""
     out = copy.deepcopy(cfg)
     out.num_hidden_layers = n  # GPT-2's n_layer too, through its attribute_map
@@ -48,5 +48,5 @@ def hf_step_flops(model, ft: FineTune) -> int:
     the optimizer). The decoder layers are identical, so the count is ``F(1) + (L - 1) * (F(2) - F(1))`` from
     models of one and two layers, like fixes.config_step_flops."""
     cfg = hf_config(model)
-    f1, f2 = (_flops_of(_layers(cfg, n), ft) for n in (1, 2))
+    f1, f2 = (_flops_of(layers_of(cfg, n), ft) for n in (1, 2))
     return f1 + (cfg.num_hidden_layers - 1) * (f2 - f1)

@@ -45,12 +45,16 @@ from ..tracking.compiled import CompiledCodeError
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..training.step import AUTOCAST_CHOICES, StepPlan, run_step
-from ..training.train import OPTIMIZERS  # the one list of optimizer names (lesson 03's four)
+from ..training.train import OPTIMIZERS, adamw_8bit  # the one list of optimizer names (lesson 03's four)
 from .dryrun import DryRunError, build_fake_model, check_ops, refuse_compiled
 from .fake_check import CheckedFakeTensorMode
 from .hf import build_model, hf_config, max_positions, tiny_config
+from .recipes import REFUSED
 
 METHODS = ("full", "frozen", "lora")
+#: The optimizers a fine-tune takes: lesson 03's four, and bitsandbytes' AdamW8bit (a real run's only: a dry run
+#: refuses it by name, recipes.REFUSED).
+FINE_TUNE_OPTIMIZERS = (*OPTIMIZERS, "adamw8bit")
 
 #: What a dry run of a Hugging Face model assumes about the batch's values (it has none).
 HF_ASSUMPTIONS = (
@@ -96,7 +100,9 @@ class FineTune:
                 f"batch_size ({self.batch_size}) must be a multiple of micro_batches ({self.micro_batches})"
             )
         one_of("autocast", self.autocast, AUTOCAST_CHOICES)
-        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("optimizer", self.optimizer, FINE_TUNE_OPTIMIZERS)
+        if self.optimizer == "adamw8bit" and (self.foreach or self.fused):
+            raise ValueError("optimizer adamw8bit has one implementation: no foreach, no fused")
         one_of("method", self.method, METHODS)
         positive_number("lr", self.lr)
         positive_int("lora_rank", self.lora_rank)
@@ -199,6 +205,8 @@ def hf_optimizer_spec(ft: FineTune) -> tuple[type[torch.optim.Optimizer], dict]:
 
 def make_hf_optimizer(model: nn.Module, ft: FineTune) -> torch.optim.Optimizer:
     """``ft.optimizer`` over the parameters that train (the others get no gradient and no state)."""
+    if ft.optimizer == "adamw8bit":
+        return adamw_8bit([p for p in model.parameters() if p.requires_grad], lr=ft.lr)
     cls, kwargs = hf_optimizer_spec(ft)
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
@@ -333,8 +341,15 @@ class _NamingMode(CheckedFakeTensorMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _fake_run(cfg, ft: FineTune, steps: int):
+def check_dry_runnable(ft: FineTune) -> None:
+    """DryRunError naming what ``ft`` runs that a dry run cannot follow (recipes.REFUSED): AdamW8bit."""
+    if ft.optimizer == "adamw8bit":
+        raise DryRunError(f"the 8-bit AdamW recipe is refused: {REFUSED['adamw-8bit']}")
+
+
+def fake_run(cfg, ft: FineTune, steps: int):
     """The dry run: (its Trace, the op calls to check)."""
+    check_dry_runnable(ft)
 
     def run(mode, as_for_real):
         model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
@@ -431,7 +446,7 @@ def dry_run_hf(cfg, ft: FineTune = FineTune(), steps: int = 2, *, check_on=None)
     positive_int("steps", steps)
     check_positions(cfg, ft)
     twin = check_on if check_on is not None else twin_config(cfg, ft)  # first: a model with no twin is refused
-    trace, calls = _fake_run(cfg, ft, steps)
+    trace, calls = fake_run(cfg, ft, steps)
     small = twin_fine_tune(ft)
-    check_ops(calls, f"{cfg.model_type} ({type(cfg).__name__})", lambda: _fake_run(twin, small, 2)[1])
+    check_ops(calls, f"{cfg.model_type} ({type(cfg).__name__})", lambda: fake_run(twin, small, 2)[1])
     return trace

@@ -36,9 +36,12 @@ from .devices import Device
 from .fit import FitRequest, dry_run_and_replay, fit_run
 from .fit_report import FitReport, PhaseNeed
 from .flops import config_step_flops
+from .hf_fixes import LORA_RANK
+from .recipes import REFUSED, device_recipe
 
-#: What a lever changes, in the order the ranking prefers them: only the time a step takes (the same maths), the
-#: numerics (16-bit matmuls, 16-bit state), the global batch (fewer sequences per optimizer step), the optimizer,
+#: What a lever changes, in the order the ranking prefers them: only the time a step takes (the same update, up to
+#: floating-point rounding), the numerics (16-bit matmuls, 16-bit state), the global batch (fewer sequences per
+#: optimizer step), the optimizer,
 #: or which parameters train (a Hugging Face fine-tune made LoRA: distributed/hf_fit.py).
 EFFECTS = ("time only", "numerics", "global batch", "optimizer", "trained parameters")
 #: The step options a lever may set, besides ModelConfig fields (FitRequest's fields, and the optimizer's flags).
@@ -65,6 +68,8 @@ class Lever:
     step: dict = field(default_factory=dict)
     family: str = ""
     uncounted: str = ""
+    fine_tune: dict = field(default_factory=dict)  # on a Hugging Face fine-tune: FineTune fields, world_size, zero
+    not_for_fine_tune: str = ""  # why a fine-tune's dry run cannot take it ("": it takes ``fine_tune``)
 
     def applies(self, cfg: ModelConfig, optimizer: str, step: dict) -> bool:
         """False where the configuration already does what the lever does (or the lever does not fit it).
@@ -98,6 +103,50 @@ class Lever:
         return request.but(**changes)
 
 
+def _accumulation(batch_size: int | None, micro_batches: int, exact: bool = False) -> list[Lever]:
+    """Gradient accumulation (2m, 4m, ... micro-batches dividing ``batch_size``: the same global batch), then a
+    smaller global batch (the same micro-batch sizes, not accumulated): the course GPT's and (``exact``: its dry
+    run runs the micro-batches) a fine-tune's."""
+    out = []
+    k = 2 * micro_batches
+    added = "accumulated gradients and the whole batch's inputs added (upper bound)"
+    while batch_size is not None and k <= batch_size:
+        if batch_size % k == 0:
+            note = f"{'micro-batches dry-run one by one' if exact else added}; same global batch"
+            name = f"micro-batch {batch_size // k} x {k} (accumulate)"
+            out.append(Lever(name, ("activations", "temporaries"), "time only", note, step={"micro_batches": k},
+                             family="micro-batches", fine_tune={"micro_batches": k}))  # fmt: skip
+        k *= 2
+    k = 2 * micro_batches
+    while batch_size is not None and k <= batch_size:
+        if batch_size % k == 0:
+            b = batch_size * micro_batches // k
+            note = f"{k // micro_batches}x fewer sequences per step; the learning rate may need retuning"
+            ft = {"batch_size": b} if b % micro_batches == 0 else {}
+            why = "" if ft else f"{micro_batches} micro-batches do not divide {b}"
+            out.append(Lever(f"batch {b} (smaller global batch)", ("activations", "temporaries"), "global batch",
+                             note, step={"batch_size": b}, family="smaller batch", fine_tune=ft,
+                             not_for_fine_tune=why))  # fmt: skip
+        k *= 2
+    return out
+
+
+#: Blocks (a fine-tune's decoder layers: transformers' gradient_checkpointing_enable) recomputed in backward.
+CHECKPOINT_FULL = Lever("checkpoint=full", ("activations",), "time only", "blocks recomputed in backward",
+                        {"checkpoint": "full"}, fine_tune={"gradient_checkpointing": True})  # fmt: skip
+FUSED = Lever("fused optimizer", ("temporaries",), "time only", "no optimizer temporaries; same update up to rounding",
+              step={"fused": True}, fine_tune={"fused": True, "foreach": None})  # fmt: skip
+MOMENTUM = Lever("SGD with momentum", ("optimizer_state",), "optimizer", "one state buffer instead of two: another "
+                 "optimizer", step={"optimizer": "momentum"}, fine_tune={"optimizer": "momentum"})  # fmt: skip
+
+
+def _chunked_loss(chunk: int) -> Lever:
+    return Lever(f"chunked loss ({chunk} tokens)", ("activations", "temporaries"), "time only",
+                 "the LM head and the loss per chunk, recomputed in backward: logits of one chunk alive",
+                 config={"loss_chunk": chunk}, not_for_fine_tune="transformers' causal-LM loss takes the whole "
+                 "logits (its forward makes them before the loss): no chunked loss to switch on")  # fmt: skip
+
+
 def _mixed_precision(dev: Device | None) -> Lever:
     """Mixed precision for ``dev``: bf16 autocast from compute capability 8.0 on (or a device of unknown
     capability), fp16 autocast with a GradScaler below, as ``torch.cuda.is_bf16_supported`` draws the line."""
@@ -111,11 +160,13 @@ def _mixed_precision(dev: Device | None) -> Lever:
             f"no native bf16 on {dev.name} ({major}.{minor} < 8.0); fp32 master weights; {rules}; "
             "the scaler's state is a few scalars"
         )
-        return Lever("fp16 autocast + GradScaler", ("activations",), "numerics", note, step={"autocast": "float16"})
+        return Lever("fp16 autocast + GradScaler", ("activations",), "numerics", note, step={"autocast": "float16"},
+                     fine_tune={"autocast": "float16"})  # fmt: skip
     unsure = dev is None or dev.bf16_native is None
     unknown = " (bf16 needs compute capability >= 8.0; below: fp16 + GradScaler)" if unsure else ""
     note = f"fp32 master weights; {rules}{unknown}"
-    return Lever("bf16 autocast", ("activations",), "numerics", note, step={"autocast": "bfloat16"})
+    return Lever("bf16 autocast", ("activations",), "numerics", note, step={"autocast": "bfloat16"},
+                 fine_tune={"autocast": "bfloat16"})  # fmt: skip
 
 
 def levers(
@@ -128,22 +179,7 @@ def levers(
     sdpa = "the CPU flash-attention kernel: FlopCounterMode has no formula for it"
     out = [Lever("sdpa attention", ("activations",), "time only", f"no s x s scores kept (FLOPs: {sdpa})",
                  {"attn_impl": "sdpa"}, uncounted=sdpa)]  # fmt: skip
-    k = 2 * micro_batches
-    while batch_size is not None and k <= batch_size:
-        if batch_size % k == 0:
-            note = "accumulated gradients and the whole batch's inputs added (upper bound); same global batch"
-            name = f"micro-batch {batch_size // k} x {k} (accumulate)"
-            out.append(Lever(name, ("activations", "temporaries"), "time only", note, step={"micro_batches": k},
-                             family="micro-batches"))  # fmt: skip
-        k *= 2
-    k = 2 * micro_batches
-    while batch_size is not None and k <= batch_size:
-        if batch_size % k == 0:
-            b = batch_size * micro_batches // k
-            note = f"{k // micro_batches}x fewer sequences per step; the learning rate may need retuning"
-            out.append(Lever(f"batch {b} (smaller global batch)", ("activations", "temporaries"), "global batch",
-                             note, step={"batch_size": b}, family="smaller batch"))  # fmt: skip
-        k *= 2
+    out += _accumulation(batch_size, micro_batches)
     scores_kept = cfg.attn_impl == "manual" or cfg.dropout > 0  # sdpa without dropout keeps no s^2 scores
     if scores_kept:
         out.append(Lever("checkpoint=attention", ("activations",), "time only", "the attention core recomputed in "
@@ -158,16 +194,8 @@ def levers(
             {"checkpoint": "selective"},
             uncounted=uncounted,
         ),  # fmt: skip
-        Lever(
-            "checkpoint=full", ("activations",), "time only", "blocks recomputed in backward", {"checkpoint": "full"}
-        ),
-        Lever(
-            "fused optimizer",
-            ("temporaries",),
-            "time only",
-            "no optimizer temporaries; same maths",
-            step={"fused": True},
-        ),
+        CHECKPOINT_FULL,
+        FUSED,
         Lever(
             "optimizer step in backward",
             ("gradients",),
@@ -175,13 +203,7 @@ def levers(
             "each gradient freed once its parameter is stepped; no global-norm clipping, no accumulation",
             step={"in_backward": True},
         ),
-        Lever(
-            f"chunked loss ({max(1, cfg.seq_len // 4)} tokens)",
-            ("activations", "temporaries"),
-            "time only",
-            "the LM head and the loss per chunk, recomputed in backward: logits of one chunk alive",
-            config={"loss_chunk": max(1, cfg.seq_len // 4)},
-        ),
+        _chunked_loss(max(1, cfg.seq_len // 4)),
         Lever(
             "bf16 optimizer state",
             ("optimizer_state",),
@@ -189,16 +211,104 @@ def levers(
             "Adam's moments stored in bf16: 4 instead of 8 bytes per parameter; loop implementation",
             step={"optimizer": "adamw_bf16"},
         ),
-        Lever(
-            "SGD with momentum",
-            ("optimizer_state",),
-            "optimizer",
-            "one state buffer instead of two: another optimizer",
-            step={"optimizer": "momentum"},
-        ),  # fmt: skip
+        MOMENTUM,
         _mixed_precision(device),
     ]
     return out
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A Hugging Face fine-tune as the fix search changes it: its ``FineTune`` (prediction/hf_step.py), the
+    data-parallel world size and ZeRO stage (None: plain DDP, or one device)."""
+
+    fine_tune: object
+    world_size: int = 1
+    zero: int | None = None
+
+    def but(self, lever: Lever) -> Setup | None:
+        """This setup with ``lever``'s fine-tune changes, or None where the lever cannot apply or changes nothing
+        (it is not for fine-tunes, fused needs Adam(W), autocast needs fp32 weights without autocast, the
+        micro-batches must divide the batch, or the FineTune refuses the combination)."""
+        if lever.not_for_fine_tune or not lever.fine_tune:
+            return None
+        ft = self.fine_tune
+        ranks = {k: v for k, v in lever.fine_tune.items() if k in ("world_size", "zero")}
+        fields = {k: v for k, v in lever.fine_tune.items() if k not in ranks}
+        if all(getattr(ft, k) == v for k, v in fields.items()) and all(getattr(self, k) == v for k, v in ranks.items()):
+            return None
+        if "fused" in fields and ft.optimizer not in _ADAM:
+            return None
+        if "autocast" in fields and "dtype" not in fields and (ft.autocast is not None or ft.dtype != "float32"):
+            return None  # mixed precision over fp32 master weights
+        try:
+            return replace(self, fine_tune=replace(ft, **fields), **ranks)
+        except ValueError:  # e.g. micro-batches that do not divide the batch
+            return None
+
+
+def fine_tune_levers(ft, device: Device, world_size: int = 1, zero: int | None = None) -> list[Lever]:
+    """Every lever for a Hugging Face fine-tune ``ft`` (prediction/hf_step.FineTune) on ``device``, from the one
+    catalogue: the levers it shares with the course GPT (:func:`levers`: accumulation, a smaller batch, checkpointing,
+    the fused optimizer, the chunked loss (refused: ``not_for_fine_tune``), mixed precision, SGD with momentum) and
+    a fine-tune's own (16-bit weights or base as the device runs them, 8-bit AdamW and QLoRA (refused by name),
+    shorter sequences, LoRA or a smaller LoRA, a higher ZeRO stage with ``world_size > 1``), sorted by
+    :data:`EFFECTS` (stable: within an effect, the catalogue's order, no-FLOP levers before recomputation)."""
+    states = ("parameters", "gradients", "optimizer_state")
+    accumulation = _accumulation(ft.batch_size, ft.micro_batches, exact=True)
+    out = [lv for lv in accumulation if lv.family == "micro-batches"]
+    out += [FUSED, CHECKPOINT_FULL]
+    for stage in range((zero or 0) + 1, 4) if world_size > 1 else ():
+        note = "shards more of the model states across the ranks: more communication"
+        out.append(Lever(f"ZeRO-{stage}", states, "time only", note, fine_tune={"zero": stage}))
+    out += [_chunked_loss(max(1, ft.seq_len // 4)), _mixed_precision(device)]
+    lora_dtype, lora_autocast, _ = device_recipe("lora", device)
+    if ft.method == "lora":
+        name = "bf16 frozen base" if lora_dtype == "bfloat16" else "fp16 frozen base + fp16 autocast"
+        out.append(Lever(name, ("parameters",), "numerics", "the frozen base in 16 bits (2 B per parameter); "
+                         "fp32 adapters", fine_tune={"dtype": lora_dtype, "autocast": lora_autocast}))  # fmt: skip
+    elif device.mixed_precision == "bfloat16":
+        pure = {"dtype": "bfloat16", "autocast": None}
+        out.append(Lever("pure bf16 weights", states, "numerics", "weights, gradients and AdamW state in bf16: 8 "
+                         "instead of 16 B per parameter", fine_tune=pure))  # fmt: skip
+    else:
+        out.append(Lever("pure fp16 weights", states, "numerics", "", not_for_fine_tune="a GradScaler refuses fp16 "
+                         "gradients: fp16 training keeps fp32 master weights"))  # fmt: skip
+    eight = {"optimizer": "adamw8bit", "foreach": None, "fused": None}
+    out += [
+        Lever(
+            "8-bit AdamW",
+            ("optimizer_state",),
+            "numerics",
+            "",
+            fine_tune=eight,
+            not_for_fine_tune=REFUSED["adamw-8bit"],
+        ),  # fmt: skip
+        Lever("QLoRA (4-bit base)", ("parameters",), "numerics", "", not_for_fine_tune=REFUSED["qlora"]),
+        MOMENTUM,
+    ]
+    out += [lv for lv in accumulation if lv.family == "smaller batch"]
+    for k in (2, 4):
+        if ft.seq_len // k >= 1:
+            out.append(Lever(f"sequences of {ft.seq_len // k} tokens", ("activations", "temporaries"), "global batch",
+                             f"{k}x fewer tokens per sequence: the data cut shorter", family="shorter sequences",
+                             fine_tune={"seq_len": ft.seq_len // k}))  # fmt: skip
+    if ft.method != "lora":
+        lora = {"method": "lora", "freeze": (), "lora_rank": LORA_RANK, "lora_alpha": 2 * LORA_RANK,
+                "lora_targets": "all-linear", "dtype": lora_dtype, "autocast": lora_autocast}  # fmt: skip
+        note = "trains adapters on all linear layers, the base frozen in 16 bits: another fine-tune"
+        out.append(Lever(f"LoRA r={LORA_RANK}", states, "trained parameters", note, fine_tune=lora))
+    else:
+        for k in (2, 4):
+            if ft.lora_rank // k >= 1:
+                out.append(Lever(f"LoRA r={ft.lora_rank // k}", states, "trained parameters", "smaller adapters",
+                                 family="LoRA rank", fine_tune={"lora_rank": ft.lora_rank // k,
+                                                                "lora_alpha": ft.lora_alpha // k or 1}))  # fmt: skip
+        qv = ("q_proj", "v_proj")
+        if ft.lora_targets != qv:
+            out.append(Lever("LoRA on q_proj, v_proj", states, "trained parameters", "adapters on two projections",
+                             fine_tune={"lora_targets": qv}))  # fmt: skip
+    return sorted(out, key=lambda lv: EFFECTS.index(lv.effect))
 
 
 @dataclass(frozen=True)
@@ -211,7 +321,8 @@ class Fix:
     effect: str  # one of EFFECTS: what the change does to training besides its memory
     note: str
     micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step
-    lever: Lever | None = None  # the catalogue's lever (None for a Hugging Face fine-tune's own candidates)
+    lever: Lever | None = None  # the catalogue's lever (None for a combination of levers)
+    setup: Setup | None = None  # a Hugging Face fine-tune's: the setup the change makes (distributed/hf_fit.py)
 
     @property
     def fits(self) -> bool:
@@ -269,6 +380,49 @@ def try_levers(request: FitRequest, dev: Device, candidates: list[Lever], keep=l
             family[lever.family] = fix
         out.append(fix)
     return out
+
+
+def combined(request: FitRequest, dev: Device, candidates: list[Lever]) -> Fix | None:
+    """A combination of ``candidates`` that fits where no one lever does: levers taken in :data:`EFFECTS` order
+    (stable: the catalogue's order within an effect), each kept only where its dry run lowers the peak (a lever of
+    a family replaces its family's), until the step fits; then each kept lever, the last first, dropped if the rest
+    still fits. Every candidate is a dry run (:func:`~anatomy_helpers.prediction.fit.fit_run`, kept for reuse).
+    None if even every lever together does not fit."""
+
+    def run(chosen: list[Lever]):
+        new = request
+        for lever in chosen:
+            if not lever.applies(new.cfg, new.optimizer, _options(new)):
+                return None
+            new = lever.apply(new)
+        try:
+            return new, fit_run(new, dev)
+        except CudaRuleError:  # no CUDA rule states its memory on dev: not offered rather than guessed
+            return None
+
+    chosen: list[Lever] = []
+    best = fit_run(request, dev)
+    for lever in sorted(candidates, key=lambda lv: EFFECTS.index(lv.effect)):
+        trial = [lv for lv in chosen if not (lever.family and lv.family == lever.family)] + [lever]
+        out = run(trial)
+        if out is None or out[1].peak.tensors >= best.peak.tensors:
+            continue  # saves nothing: dropped
+        chosen, best = trial, out[1]
+        if best.fits:
+            break
+    if not best.fits:
+        return None
+    for lever in reversed(list(chosen)):
+        out = run([lv for lv in chosen if lv is not lever])
+        if out is not None and out[1].fits:
+            chosen = [lv for lv in chosen if lv is not lever]
+    new, report = run(chosen)
+    uncounted = any(lv.uncounted for lv in chosen)
+    base_flops = config_step_flops(request.cfg, request.batch_size)
+    extra = None if uncounted else config_step_flops(new.cfg, request.batch_size) / base_flops - 1
+    effect = max((lv.effect for lv in chosen), key=EFFECTS.index)
+    note = "; ".join(lv.note for lv in chosen)
+    return Fix(" + ".join(lv.name for lv in chosen), report, extra, effect, note, new.micro_batches)
 
 
 def dominant(trace: Trace) -> tuple[Peak, str]:
