@@ -109,10 +109,31 @@ def optimizer_state_bytes(cfg: ModelConfig, optimizer: str) -> int:
     return n * _elt(cfg) if optimizer == "momentum" else 0
 
 
+def _math_sdpa(cfg: ModelConfig) -> bool:
+    """Whether CPU sdpa runs its math kernel (which materialises the scores, as the manual core does) rather than
+    the flash kernel. It does with dropout, and where flash's checks refuse q: a Llama block of head width 2 and
+    more than one head, whose rotary q comes out of ``torch.cat`` of two width-1 halves laid out heads-innermost
+    (last-dimension stride a, not 1: ``check_last_dim_stride_equals_1_dense`` in aten's sdp_utils_cpp.h), but for
+    one position (then its strides are contiguous ones)."""
+    narrow = cfg.block == "llama" and cfg.head_dim == 2 and cfg.n_head > 1 and cfg.seq_len > 1
+    return cfg.attn_impl == "sdpa" and (cfg.dropout > 0 or narrow)
+
+
+def _materialised(cfg: ModelConfig) -> bool:
+    """Whether the attention core holds the (b, a, s, s) scores: the manual core, or sdpa's math kernel."""
+    return cfg.attn_impl == "manual" or _math_sdpa(cfg)
+
+
 def _core_elt(cfg: ModelConfig) -> int:
-    """Bytes per element of the attention core. With dropout CPU sdpa runs its math kernel, which casts q, k and v
-    of a 16-bit model to fp32 first (``_scaled_dot_product_attention_math`` in aten's transformers/attention.cpp)."""
-    return 4 if cfg.attn_impl == "sdpa" and cfg.dropout > 0 else _elt(cfg)
+    """Bytes per element of the attention core. CPU sdpa's math kernel casts q, k and v of a 16-bit model to fp32
+    first (``_scaled_dot_product_attention_math`` in aten's transformers/attention.cpp)."""
+    return 4 if _math_sdpa(cfg) else _elt(cfg)
+
+
+def _head_views(cfg: ModelConfig, b: int) -> bool:
+    """Whether the core's matmuls reshape (B, a, s, D) views of q, k, v to (B*a, s, D) without a copy: at B = 1 or
+    a = 1, where the two dimensions merged include one of size 1 (any strides do)."""
+    return b == 1 or cfg.n_head == 1
 
 
 def _qkv_storages(cfg: ModelConfig, N: int) -> int:
@@ -127,11 +148,12 @@ def _qkv_storages(cfg: ModelConfig, N: int) -> int:
 
 def _matmul_qkv(cfg: ModelConfig, b: int, without_v: bool = False) -> int:
     """Bytes of the storages behind the q, k^T and v that the materialised core's two matmuls save (or only q's
-    and k's). Reshaping a (B, a, s, D) view to (B*a, s, D) copies it, except at B = 1, where the matmuls save
-    views of q, k and v themselves (:func:`_qkv_storages`); the math kernel makes a new scaled q and k^T there
-    and keeps v a view. A 16-bit model's math kernel works on fp32 copies."""
+    and k's). Reshaping a (B, a, s, D) view to (B*a, s, D) copies it, except at B = 1 or a = 1
+    (:func:`_head_views`), where the matmuls save views of q, k and v themselves (:func:`_qkv_storages`); the
+    math kernel makes a new scaled q and k^T there and keeps v a view. A 16-bit model's math kernel works on fp32
+    copies."""
     e, h, N, ec = _elt(cfg), cfg.d_model, b * cfg.seq_len, _core_elt(cfg)
-    if b > 1 or ec != e:
+    if not _head_views(cfg, b) or ec != e:
         return (2 if without_v else 3) * N * h * ec
     grouped = cfg.block == "llama" and cfg.kv_heads != cfg.n_head
     v = N * h * e if grouped else N * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim * e  # a copy, or the qkv output
@@ -158,7 +180,7 @@ def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
     """
     e, s, h, a, F = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.mlp_ratio * cfg.d_model
     N, scores, ec, dropout = b * s, b * a * s * s, _core_elt(cfg), cfg.dropout > 0
-    llama, fused = cfg.block == "llama", cfg.attn_impl == "sdpa" and not dropout
+    llama, fused = cfg.block == "llama", not _materialised(cfg)
     norm = 2 * N * h * e + N * e if llama else N * h * e + 2 * N * e
     if fused:  # the flash kernel: q, k, v, its output (GPT-2: the out-proj's input too) and the log-sum-exp
         core = _qkv_storages(cfg, N) + N * h * e + 4 * b * a * s
@@ -189,7 +211,7 @@ def layer_activation_bytes(cfg: ModelConfig, b: int, policy: str | None = None) 
     """
     e, s, h, a, D = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.head_dim
     N, F, ec = b * s, cfg.mlp_ratio * cfg.d_model, _core_elt(cfg)
-    llama, materialised = cfg.block == "llama", cfg.attn_impl == "manual" or cfg.dropout > 0
+    llama, materialised = cfg.block == "llama", _materialised(cfg)
     policy = cfg.checkpoint if policy is None else policy
     if policy in ("full", "every_k"):
         return 0
@@ -274,21 +296,24 @@ def _first_step_bf16_state(sizes: list[int]) -> int:
     return peak
 
 
-def _core_transients(cfg: ModelConfig, b: int) -> int:
+def _core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int:
     """The peak of a materialised attention core run without saving (a checkpointed forward), beyond q, k, v.
 
     Manual: the scores, scaled, masked (the inverted mask), softmax: two at a time, or the copies of q and k^T
-    beside the scores (views at batch 1); with dropout three s^2 tensors (its noise). CPU sdpa's math kernel
-    (dropout): an output buffer and a float s x s causal mask beside three s^2 tensors or beside the scores and
-    its scaled q, k^T and v (v a view at batch 1); a 16-bit model's q, k, v cast to fp32 first."""
+    beside the scores (views at batch 1 or with one head); with dropout three s^2 tensors (its noise). CPU sdpa's
+    math kernel: an output buffer and a float s x s causal mask beside two s^2 tensors (the scores plus the mask,
+    softmax), three with dropout, or beside the scores and its scaled q, k^T and v (v a view at batch 1); a 16-bit
+    model's q, k, v cast to fp32 first. ``scores_kept`` ("selective" keeps the product q k^T): the scores stay
+    beside the later s^2 tensors."""
     e, s, h, ec, N = _elt(cfg), cfg.seq_len, cfg.d_model, _core_elt(cfg), b * cfg.seq_len
-    S = b * cfg.n_head * s * s * ec
+    S, dropout = b * cfg.n_head * s * s * ec, cfg.dropout > 0
+    kept = S if scores_kept else 0
     if cfg.attn_impl == "sdpa":
         casts = 3 * N * h * ec if ec != e else 0
-        copies = 3 * N * h * ec if b > 1 or ec != e else 2 * N * h * e
-        return casts + N * h * ec + 4 * s * s + max(copies + S, 3 * S)
-    copies = 2 * N * h * e if b > 1 else 0
-    return max(copies + S, 3 * S if cfg.dropout > 0 else 2 * S + s * s)
+        copies = 3 * N * h * ec if not _head_views(cfg, b) or ec != e else 2 * N * h * e
+        return casts + N * h * ec + 4 * s * s + max(copies + S, kept + (3 if dropout else 2) * S)
+    copies = 0 if _head_views(cfg, b) else 2 * N * h * e
+    return max(copies + S, kept + (3 * S if dropout else 2 * S + s * s))
 
 
 def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
@@ -300,9 +325,10 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
       hidden (GELU's input and output; SwiGLU's silu, up and their product); the block's input too where the
       segment does not keep it (the segment's loop still holds it). Under "selective" at the MLP's out-projection
       (GPT-2: GELU's output beside the kept fc output; Llama: silu's and the product beside the kept gate and up);
-    * ``"last core"`` (full, every_k, attention; materialised attention): the first norm's output (the
-      attention's argument), q, k, v and the core's transients (:func:`_core_transients`); under "attention" the
-      block has saved its first half.
+    * ``"last core"`` (materialised attention): the first norm's output (the attention's argument), q, k, v and
+      the core's transients (:func:`_core_transients`); under "attention" the block has saved its first half;
+      under "selective" it has kept its input, the qkv output (beside q, k, v where they are new tensors: rotary,
+      repeated) and the scores.
     """
     e, s, h, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.vocab_size
     N, F, llama = b * s, cfg.mlp_ratio * h, cfg.block == "llama"
@@ -312,13 +338,18 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     if cfg.checkpoint in ("full", "every_k"):
         held = N * h * e if _segments(cfg)[-1] > 1 else 0  # the last block's input, not a segment's
         moments["last MLP"] = before + held + 2 * N * h * e + (3 if llama else 2) * N * F * e
-        if cfg.attn_impl == "manual" or cfg.dropout > 0:
+        if _materialised(cfg):
             moments["last core"] = before + held + N * h * e + _qkv_storages(cfg, N) + _core_transients(cfg, b)
-    elif cfg.checkpoint == "attention" and (cfg.attn_impl == "manual" or cfg.dropout > 0):
+    elif cfg.checkpoint == "attention" and _materialised(cfg):
         later = sum(v for k, v in block_terms(cfg, b).items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.r")))
         moments["last core"] = before - later + _core_transients(cfg, b)  # q, k, v kept, the rest not made yet
     elif cfg.checkpoint == "selective":
         moments["last MLP"] = before + (N * h * e + 2 * N * F * e if llama else 2 * N * h * e + N * F * e)
+        if _materialised(cfg):
+            grouped = llama and cfg.kv_heads != cfg.n_head  # q, k, v all new tensors, none a view of the qkv output
+            qkv = _qkv_storages(cfg, N) + (N * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim * e if grouped else 0)
+            last = before - layer_activation_bytes(cfg, b) + 2 * N * h * e + qkv  # its input, the first norm's output
+            moments["last core"] = last + _core_transients(cfg, b, scores_kept=True)
     return moments
 
 
@@ -337,7 +368,7 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
       with the LM head's (autograd's ``InputBuffer::add``: both V x h and their sum alive at once); untied, the
       gradient of the embedding output (Nh) is alive beside it.
     """
-    e, s, h, a, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, cfg.vocab_size
+    e, s, h, V = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.vocab_size
     N, F, llama, tied = b * s, cfg.mlp_ratio * h, cfg.block == "llama", cfg.tie_embeddings
     G = param_count(cfg) * e
     acts = activation_bytes(cfg, b) - head_activation_bytes(cfg, b)  # embeddings and blocks
@@ -352,36 +383,61 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
             mlp_bwd -= h * e  # a recomputed block peaks at the out-projection before its bias gradient
     moments = {"head": activation_bytes(cfg, b) - 4 + 2 * N * V * 4}  # the loss's 4-byte total weight freed
     none = layer_activation_bytes(cfg, b, "none")
+    materialised = _materialised(cfg)
     if cfg.checkpoint in ("full", "every_k"):
         segs = _segments(cfg)
-        live = [k * none + mlp_bwd for k in segs]  # a segment recomputed, its input kept by the checkpoint
         first = embedding_activation_bytes(cfg, b) + G - _emb_params(cfg) + (V * h * e if tied else 0)
-        first += live[0] - segs[0] * block_parameter_bytes(cfg)
-        moments["segment"] = max(acts + head_grads + live[-1] - N * h * e, first)
+        first -= segs[0] * block_parameter_bytes(cfg)
+        # a segment recomputed (its input kept by the checkpoint), at its last block's MLP or attention core
+        for name, inside in (("segment", mlp_bwd), ("segment core", _core_backward(cfg, b) if materialised else None)):
+            if inside is not None:
+                last = acts + head_grads + segs[-1] * none + inside - N * h * e
+                moments[name] = max(last, first + segs[0] * none + inside)
     else:
         recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if cfg.checkpoint == "selective" else 0
-        moments["last MLP"] = acts + head_grads + recomputed + mlp_bwd
-        if cfg.attn_impl == "manual" or cfg.dropout > 0:
-            terms = block_terms(cfg, b)
-            mlp_done = sum(v for k, v in terms.items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.resid")))
-            grads = head_grads + block_parameter_bytes(cfg) - _qkv_ln1_params(cfg)  # all but qkv's and ln1's
-            ec, dropout = _core_elt(cfg), cfg.dropout > 0
-            scores = b * a * s * s * ec
-            v_saved = _matmul_qkv(cfg, b) - _matmul_qkv(cfg, b, without_v=True)
-            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too (at batch 1 views
-                # of the kept q, k, v: the manual core's three, the math kernel's v)
-                kept = 0 if b > 1 or ec != e else _qkv_storages(cfg, N) if cfg.attn_impl == "manual" else v_saved
+        inside = {"MLP": recomputed + mlp_bwd}
+        if materialised:
+            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too (at batch 1 or with
+                # one head views of the kept q, k, v: the manual core's three, the math kernel's v)
+                v_saved = _matmul_qkv(cfg, b) - _matmul_qkv(cfg, b, without_v=True)
+                manual = cfg.attn_impl == "manual"
+                views = _head_views(cfg, b) and _core_elt(cfg) == e
+                kept = 0 if not views else _qkv_storages(cfg, N) if manual else v_saved
+                terms = block_terms(cfg, b)
                 recomputed = terms["attn"] + terms["attn.attn_drop"] - kept
-            # the residual's gradient and y's (copied to (B, a, s, D)), with dropout the out-proj input's too
-            # ("selective": the kept out-proj output gone, as above); then the gradient of the scores and, without
-            # dropout, the softmax's too, v's storage freed (with dropout the noise and its output go first)
-            grad_paths = 2 + (dropout and cfg.checkpoint != "selective")
-            shared = b == 1 and cfg.attn_impl == "manual" and not llama  # GPT-2's q and k views hold v's storage
-            core_bwd = grad_paths * N * h * e + scores + (0 if dropout else scores - (0 if shared else v_saved))
-            moments["last core"] = acts + recomputed - mlp_done + grads + core_bwd
+            inside["core"] = recomputed + _core_backward(cfg, b)
+        # the first block's backward: every later block's activations freed, their gradients made (the peak where
+        # a block's parameters outweigh what it keeps)
+        first = (cfg.n_layer - 1) * (block_parameter_bytes(cfg) - layer_activation_bytes(cfg, b))
+        for part, bytes_ in inside.items():
+            moments[f"last {part}"] = acts + head_grads + bytes_
+            if first > 0:
+                moments[f"first {part}"] = acts + head_grads + bytes_ + first
     grad_out = N * h * e
     moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)
     return moments
+
+
+def _core_backward(cfg: ModelConfig, b: int) -> int:
+    """A materialised attention core's backward, relative to its block with everything it saves alive (bytes).
+
+    The block's MLP side is done (its saved tensors freed, its gradients and the out-projection's made; qkv's and
+    the first norm's still to come); then the residual's gradient and y's (copied to (B, a, s, D)), with dropout the
+    out-proj input's too ("selective": the kept out-proj output gone, as in the MLP's moment); then the gradient of
+    the scores and, without dropout, the softmax's too, v's storage freed (with dropout the noise and its output go
+    first).
+    """
+    e, s, h, a, N = _elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, b * cfg.seq_len
+    ec, dropout, llama = _core_elt(cfg), cfg.dropout > 0, cfg.block == "llama"
+    terms = block_terms(cfg, b)
+    mlp_done = sum(v for k, v in terms.items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.resid")))
+    grads = block_parameter_bytes(cfg) - _qkv_ln1_params(cfg)  # all but qkv's and ln1's
+    scores = b * a * s * s * ec
+    v_saved = _matmul_qkv(cfg, b) - _matmul_qkv(cfg, b, without_v=True)
+    grad_paths = 2 + (dropout and cfg.checkpoint != "selective")
+    shared = _head_views(cfg, b) and cfg.attn_impl == "manual" and not llama  # q's and k's views hold v's storage
+    core_bwd = grad_paths * N * h * e + scores + (0 if dropout else scores - (0 if shared else v_saved))
+    return grads - mlp_done + core_bwd
 
 
 def _qkv_ln1_params(cfg: ModelConfig) -> int:
