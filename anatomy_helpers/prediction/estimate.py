@@ -296,6 +296,35 @@ def _first_step_bf16_state(sizes: list[int]) -> int:
     return peak
 
 
+def _reshape_copies(cfg: ModelConfig, b: int) -> tuple[int, int, int]:
+    """Bytes of the copies of q, k^T and v that the manual core's matmuls make to reshape them to (B*a, s, D).
+
+    None where the reshape is a view (:func:`_head_views`). GPT-2's q, k, v are transposed views of the qkv output:
+    each copied. Llama's rotary q and k are contiguous (viewed), but at head width 2, where ``torch.cat`` lays them
+    out heads-innermost (:func:`_math_sdpa`); its v is a view of the qkv output (copied) or, with grouped-query
+    attention, a contiguous ``repeat_interleave`` output, as k then is."""
+    one = b * cfg.seq_len * cfg.d_model * _elt(cfg)
+    if _head_views(cfg, b):
+        return 0, 0, 0
+    if cfg.block != "llama":
+        return one, one, one
+    narrow, grouped = cfg.head_dim == 2 and cfg.seq_len > 1, cfg.kv_heads != cfg.n_head
+    return (one if narrow else 0), (one if narrow and not grouped else 0), (0 if grouped else one)
+
+
+def _saving_core(cfg: ModelConfig, b: int) -> int:
+    """The peak of the manual core run with autograd saving (no checkpointing), beyond q, k, v's storages.
+
+    The copies of q and k^T stay (saved); the scores, scaled, and masked beside the inverted mask (two s^2 at a
+    time); then what the core saves (the softmax output, with dropout its noise and output) beside v's copy, the
+    output y and its contiguous copy (none with one head)."""
+    s, N, h, e = cfg.seq_len, b * cfg.seq_len, cfg.d_model, _elt(cfg)
+    S, dropout = b * cfg.n_head * s * s * e, cfg.dropout > 0
+    q, k, v = _reshape_copies(cfg, b)
+    y = N * h * e * (1 if cfg.n_head == 1 else 2)
+    return q + k + s * s + max(2 * S, (3 if dropout else 1) * S + v + y)
+
+
 def _core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int:
     """The peak of a materialised attention core run without saving (a checkpointed forward), beyond q, k, v.
 
@@ -312,8 +341,26 @@ def _core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int
         casts = 3 * N * h * ec if ec != e else 0
         copies = 3 * N * h * ec if not _head_views(cfg, b) or ec != e else 2 * N * h * e
         return casts + N * h * ec + 4 * s * s + max(copies + S, kept + (3 if dropout else 2) * S)
-    copies = 0 if _head_views(cfg, b) else 2 * N * h * e
-    return max(copies + S, kept + (3 * S if dropout else 2 * S + s * s))
+    q, k, _ = _reshape_copies(cfg, b)
+    return max(q + k + S, kept + (3 * S if dropout else 2 * S + s * s))
+
+
+def math_core_cap(cfg: ModelConfig, b: int) -> int | None:
+    """An upper bound on forward's memory inside CPU sdpa's math kernel run with autograd saving (no block
+    recomputed: "none", "offload"), above parameters, optimizer state and the batch (bytes); None elsewhere.
+
+    That moment is not modelled (the kernel's casts to fp32, its scaled q and k^T and their reshaped copies, its
+    returned weights cast back to a 16-bit dtype, its output before and after the cast); the bound counts more than
+    it can hold at once: the last block's q, k, v storages, ten (N, h) tensors in the core's dtype, the bool and
+    float causal masks (6 s^2) and five (b, a, s, s) tensors. Where it stays under the modelled moments the kernel
+    cannot decide forward's peak, and :func:`estimate_step` is exact; elsewhere it refuses."""
+    if not _math_sdpa(cfg) or cfg.checkpoint not in ("none", "offload"):
+        return None
+    s, N, h, ec = cfg.seq_len, b * cfg.seq_len, cfg.d_model, _core_elt(cfg)
+    terms = block_terms(cfg, b)
+    before = activation_bytes(cfg, b) - head_activation_bytes(cfg, b)
+    core_on = sum(v for k, v in terms.items() if k not in ("ln1", "attn.qkv"))  # not made yet, or made now
+    return before - core_on + _qkv_storages(cfg, N) + 10 * N * h * ec + 6 * s * s + 5 * b * cfg.n_head * s * s * ec
 
 
 def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
@@ -340,6 +387,10 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         moments["last MLP"] = before + held + 2 * N * h * e + (3 if llama else 2) * N * F * e
         if _materialised(cfg):
             moments["last core"] = before + held + N * h * e + _qkv_storages(cfg, N) + _core_transients(cfg, b)
+    elif cfg.checkpoint in ("none", "offload") and cfg.attn_impl == "manual":
+        terms = block_terms(cfg, b)
+        core_on = sum(v for k, v in terms.items() if k not in ("ln1", "attn.qkv"))  # not made yet, or made now
+        moments["last core"] = before - core_on + _qkv_storages(cfg, N) + _saving_core(cfg, b)
     elif cfg.checkpoint == "attention" and _materialised(cfg):
         later = sum(v for k, v in block_terms(cfg, b).items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.r")))
         moments["last core"] = before - later + _core_transients(cfg, b)  # q, k, v kept, the rest not made yet
@@ -436,7 +487,9 @@ def _core_backward(cfg: ModelConfig, b: int) -> int:
     v_saved = _matmul_qkv(cfg, b) - _matmul_qkv(cfg, b, without_v=True)
     grad_paths = 2 + (dropout and cfg.checkpoint != "selective")
     shared = _head_views(cfg, b) and cfg.attn_impl == "manual" and not llama  # q's and k's views hold v's storage
-    core_bwd = grad_paths * N * h * e + scores + (0 if dropout else scores - (0 if shared else v_saved))
+    # beside the residual's gradient, the others in the core's dtype: a 16-bit model's math kernel casts y's to fp32
+    paths = N * h * e + (grad_paths - 1) * N * h * ec
+    core_bwd = paths + scores + (0 if dropout else scores - (0 if shared else v_saved))
     return grads - mlp_done + core_bwd
 
 
@@ -484,6 +537,14 @@ def estimate_step(
             "recomputed head change the loss's moments; dry-run it instead (dryrun.dry_run_config)"
         )
     check_optimizer(cfg, optimizer)
+    cap, modelled = math_core_cap(cfg, batch_size), max(forward_moments(cfg, batch_size).values())
+    if cap is not None and cap > modelled:
+        raise ValueError(
+            f"estimate_step does not model forward inside CPU sdpa's math kernel without checkpointing (it runs it "
+            f"{'with dropout' if cfg.dropout > 0 else 'at head width 2'}, checkpoint={cfg.checkpoint!r}): at batch "
+            f"{batch_size} its (b, a, s, s) scores ({batch_size * cfg.n_head * cfg.seq_len**2:,} elements) may "
+            "decide forward's peak; dry-run it instead (dryrun.dry_run_config)"
+        )
     if optimizer == "adamw_bf16" and impl != "single":
         raise ValueError(f"adamw_bf16 has one implementation, the for-loop (impl 'single'), got impl {impl!r}")
     e, b, N = _elt(cfg), batch_size, batch_size * cfg.seq_len
