@@ -144,7 +144,7 @@ MUTANTS = [
     Mutant(
         "estimate.out-proj-input-dropped",
         EST,
-        'terms["attn.proj"] = 0 if fused and not llama else N * h * e',
+        'terms["attn.proj"] = 0 if fused and not y_copied else N * h * e',
         'terms["attn.proj"] = 0',
         T_EST,
     ),

@@ -182,14 +182,18 @@ def block_terms(cfg: ModelConfig, b: int) -> dict[str, int]:
     N, scores, ec, dropout = b * s, b * a * s * s, _core_elt(cfg), cfg.dropout > 0
     llama, fused = cfg.block == "llama", not _materialised(cfg)
     norm = 2 * N * h * e + N * e if llama else N * h * e + 2 * N * e
-    if fused:  # the flash kernel: q, k, v, its output (GPT-2: the out-proj's input too) and the log-sum-exp
+    if fused:  # the flash kernel: q, k, v, its output (often the out-proj's input too) and the log-sum-exp
         core = _qkv_storages(cfg, N) + N * h * e + 4 * b * a * s
     else:  # q, k^T, v for the two matmuls, the softmax output, (the dropout's output), (the causal mask)
         core = _matmul_qkv(cfg, b) + scores * ec * (2 if dropout else 1) + (s * s if cfg.attn_impl == "manual" else 0)
     attn_noise = scores * e if dropout and cfg.attn_impl == "manual" else 0  # sdpa's noise is in its core
     terms = {"ln1": norm, "attn.qkv": N * h * e, "attn": core + (scores * ec if dropout and not attn_noise else 0)}
     terms["attn.attn_drop"] = attn_noise
-    terms["attn.proj"] = 0 if fused and not llama else N * h * e  # GPT-2's sdpa output is the out-proj input
+    # flash's output takes q's layout: GPT-2's q is a transposed view, so the output already is (B, s, a, D) in
+    # memory and is the out-proj's input; Llama's rotary q is contiguous, so y is copied, but with one head or one
+    # position (a transpose that moves only a size-1 dimension keeps it contiguous)
+    y_copied = llama and a > 1 and s > 1
+    terms["attn.proj"] = 0 if fused and not y_copied else N * h * e
     terms["attn.resid_drop"] = N * h * e if dropout else 0
     terms["ln2"] = norm
     if llama:
@@ -329,7 +333,8 @@ def _core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int
     """The peak of a materialised attention core run without saving (a checkpointed forward), beyond q, k, v.
 
     Manual: the scores, scaled, masked (the inverted mask), softmax: two at a time, or the copies of q and k^T
-    beside the scores (views at batch 1 or with one head); with dropout three s^2 tensors (its noise). CPU sdpa's
+    beside the scores (:func:`_reshape_copies`); with dropout three s^2 tensors (its noise); at its end the
+    weights beside v's copy and the output, then the output beside its contiguous copy. CPU sdpa's
     math kernel: an output buffer and a float s x s causal mask beside two s^2 tensors (the scores plus the mask,
     softmax), three with dropout, or beside the scores and its scaled q, k^T and v (v a view at batch 1); a 16-bit
     model's q, k, v cast to fp32 first. ``scores_kept`` ("selective" keeps the product q k^T): the scores stay
@@ -341,8 +346,10 @@ def _core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int
         casts = 3 * N * h * ec if ec != e else 0
         copies = 3 * N * h * ec if not _head_views(cfg, b) or ec != e else 2 * N * h * e
         return casts + N * h * ec + 4 * s * s + max(copies + S, kept + (3 if dropout else 2) * S)
-    q, k, _ = _reshape_copies(cfg, b)
-    return max(q + k + S, kept + (3 * S if dropout else 2 * S + s * s))
+    q, k, v = _reshape_copies(cfg, b)
+    y = N * h * e  # the output of att @ v, then its contiguous copy beside it (none with one head)
+    end = max(S + v + y, (2 if cfg.n_head > 1 else 1) * y)
+    return max(q + k + S, kept + (3 * S if dropout else 2 * S + s * s), kept + end)
 
 
 def math_core_cap(cfg: ModelConfig, b: int) -> int | None:
