@@ -471,6 +471,18 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
             moments[f"last {part}"] = acts + head_grads + bytes_
             if first > 0:
                 moments[f"first {part}"] = acts + head_grads + bytes_ + first
+    # the first block's qkv projection, its input's gradient and its weight's made: every gradient but the
+    # embeddings' and the first norm's, the tied head's held by autograd; what the embeddings, the first norm and
+    # qkv saved (or recomputed); the gradients of the qkv output, of the residual stream and of the first norm's
+    # output. GPT-2's qkv bias gradient is summed last: beside the rest, but where the block was recomputed, whose
+    # norm output is freed first. "selective" without dropout still holds the MLP's kept out-projection output (no
+    # recomputed op consumes it)
+    terms, qkv_out = block_terms(cfg, b), N * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim * e
+    recomputed_block = cfg.checkpoint in ("full", "every_k", "selective")
+    not_yet = (h if llama else 2 * h + (3 * h if recomputed_block else 0)) * e  # the norm's weight (and bias)
+    first_qkv = G - _emb_params(cfg) - not_yet + (V * h * e if tied else 0) + embedding_activation_bytes(cfg, b)
+    first_qkv += N * h * e if cfg.checkpoint == "selective" and cfg.dropout == 0 else 0
+    moments["first qkv"] = first_qkv + terms["ln1"] + terms["attn.qkv"] + qkv_out + 2 * N * h * e
     grad_out = N * h * e
     moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)
     return moments
