@@ -440,6 +440,8 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         if not llama and cfg.checkpoint in ("selective", "full", "every_k"):
             mlp_bwd -= h * e  # a recomputed block peaks at the out-projection before its bias gradient
     moments = {"head": activation_bytes(cfg, b) - 4 + 2 * N * V * 4}  # the loss's 4-byte total weight freed
+    if llama:  # RMSNorm's backward is its ops' (no fused kernel): the final norm's input beside five (N, h) tensors
+        moments["final norm"] = acts + head_grads + 6 * N * h * e
     none = layer_activation_bytes(cfg, b, "none")
     materialised = _materialised(cfg)
     if cfg.checkpoint in ("full", "every_k"):
