@@ -343,9 +343,13 @@ def _core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int
     S, dropout = b * cfg.n_head * s * s * ec, cfg.dropout > 0
     kept = S if scores_kept else 0
     if cfg.attn_impl == "sdpa":
-        casts = 3 * N * h * ec if ec != e else 0
-        copies = 3 * N * h * ec if not _head_views(cfg, b) or ec != e else 2 * N * h * e
-        return casts + N * h * ec + 4 * s * s + max(copies + S, kept + (3 if dropout else 2) * S)
+        if ec != e:  # the fp32 casts are contiguous: reshaped as views; the scaled k^T is new
+            casts, copies = 3 * N * h * ec, N * h * ec
+            end = S + S * e // ec + N * h * ec + N * h * e  # the weights and the output, each also cast back
+        else:
+            casts, copies = 0, 3 * N * h * ec if not _head_views(cfg, b) else 2 * N * h * e
+            end = 0  # the weights beside the output: never above the scores beside the copies
+        return casts + N * h * ec + 4 * s * s + max(copies + S, kept + (3 if dropout else 2) * S, kept + end)
     q, k, v = _reshape_copies(cfg, b)
     y = N * h * e  # the output of att @ v, then its contiguous copy beside it (none with one head)
     end = max(S + v + y, (2 if cfg.n_head > 1 else 1) * y)
