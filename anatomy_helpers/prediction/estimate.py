@@ -343,12 +343,12 @@ def _core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int
     S, dropout = b * cfg.n_head * s * s * ec, cfg.dropout > 0
     kept = S if scores_kept else 0
     if cfg.attn_impl == "sdpa":
-        if ec != e:  # the fp32 casts are contiguous: reshaped as views; the scaled k^T is new
-            casts, copies = 3 * N * h * ec, N * h * ec
+        casts = 3 * N * h * ec if ec != e else 0
+        copies = 3 * N * h * ec if not _head_views(cfg, b) or ec != e else 2 * N * h * e
+        end = 0  # the weights beside the output: never above the scores beside the copies
+        if ec != e and _head_views(cfg, b):  # the fp32 casts reshaped as views: only the scaled k^T is new
+            copies = N * h * ec
             end = S + S * e // ec + N * h * ec + N * h * e  # the weights and the output, each also cast back
-        else:
-            casts, copies = 0, 3 * N * h * ec if not _head_views(cfg, b) else 2 * N * h * e
-            end = 0  # the weights beside the output: never above the scores beside the copies
         return casts + N * h * ec + 4 * s * s + max(copies + S, kept + (3 if dropout else 2) * S, kept + end)
     q, k, v = _reshape_copies(cfg, b)
     y = N * h * e  # the output of att @ v, then its contiguous copy beside it (none with one head)
@@ -362,16 +362,25 @@ def math_core_cap(cfg: ModelConfig, b: int) -> int | None:
 
     That moment is not modelled (the kernel's casts to fp32, its scaled q and k^T and their reshaped copies, its
     returned weights cast back to a 16-bit dtype, its output before and after the cast); the bound counts more than
-    it can hold at once: the last block's q, k, v storages, ten (N, h) tensors in the core's dtype, the bool and
-    float causal masks (6 s^2) and five (b, a, s, s) tensors. Where it stays under the modelled moments the kernel
-    cannot decide forward's peak, and :func:`estimate_step` is exact; elsewhere it refuses."""
+    it can hold at once: the last block's q, k, v storages, the casts of q, k, v (16-bit), the bool and float causal
+    masks (6 s^2), and the larger of two stretches. While the scores are made: five (N, h) tensors in the core's
+    dtype (scaled q and k^T, copies) and two (b, a, s, s) ones (the product and the masked scores, or those and the
+    softmax), three with dropout (its noise and output beside the softmax). At its end: four (N, h) tensors in the
+    core's dtype (scaled q and k^T, v's copy, the output) and two in the model's (the output cast back, y's copy),
+    beside the weights (with dropout its noise and output too, and a cast back to a 16-bit dtype). Where the bound
+    stays under the modelled moments the kernel cannot decide forward's peak and :func:`estimate_step` is exact;
+    elsewhere it refuses."""
     if not _math_sdpa(cfg) or cfg.checkpoint not in ("none", "offload"):
         return None
-    s, N, h, ec = cfg.seq_len, b * cfg.seq_len, cfg.d_model, _core_elt(cfg)
+    s, N, h, e, ec = cfg.seq_len, b * cfg.seq_len, cfg.d_model, _elt(cfg), _core_elt(cfg)
+    S, dropout, cast = b * cfg.n_head * s * s * ec, cfg.dropout > 0, ec != e
     terms = block_terms(cfg, b)
     before = activation_bytes(cfg, b) - head_activation_bytes(cfg, b)
     core_on = sum(v for k, v in terms.items() if k not in ("ln1", "attn.qkv"))  # not made yet, or made now
-    return before - core_on + _qkv_storages(cfg, N) + 10 * N * h * ec + 6 * s * s + 5 * b * cfg.n_head * s * s * ec
+    scores = 5 * N * h * ec + (2 + dropout) * S
+    end = 4 * N * h * ec + 2 * N * h * e + (1 + 2 * dropout + cast) * S
+    casts = 3 * N * h * ec if cast else 0
+    return before - core_on + _qkv_storages(cfg, N) + casts + 6 * s * s + max(scores, end)
 
 
 def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
