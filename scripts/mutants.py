@@ -156,6 +156,20 @@ MUTANTS = [
         T_EST,
     ),
     Mutant(
+        "estimate.one-head-reshapes-copy",
+        EST,
+        "    return b == 1 or cfg.n_head == 1",
+        "    return b == 1",
+        ("tests/test_estimate.py::test_each_block_term_equals_what_its_module_saved",),
+    ),
+    Mutant(
+        "estimate.flash-at-head-width-2",
+        EST,
+        '    return cfg.attn_impl == "sdpa" and (cfg.dropout > 0 or narrow)',
+        '    return cfg.attn_impl == "sdpa" and cfg.dropout > 0',
+        ("tests/test_estimate.py::test_each_block_term_equals_what_its_module_saved",),
+    ),
+    Mutant(
         "estimate.tied-sum-dropped",
         EST,
         'moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)',

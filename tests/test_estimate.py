@@ -49,6 +49,8 @@ TERM_CASES = [
     (dict(block="llama", dropout=0.1), 1),
     (dict(attn_impl="sdpa", dropout=0.1), 1),
     (dict(), 1),
+    (dict(block="llama", n_head=1), B),  # one head: the matmuls reshape q, k, v as views (v: the qkv output)
+    (dict(block="llama", n_head=32, attn_impl="sdpa"), B),  # head width 2: flash refuses the rotary q, math runs
 ]
 
 
