@@ -256,3 +256,15 @@ def test_every_optimizer_the_course_offers_is_modelled_or_refused_by_name():
             estimate_step(cfg, 2, name)
         except ValueError as e:
             assert name in str(e) and "does not model" in str(e), e
+
+
+def test_sdpas_math_kernel_without_checkpointing_is_refused_only_where_it_may_decide_forward():
+    """Forward inside CPU sdpa's math kernel (dropout, or Llama's head width 2) is not modelled without
+    checkpointing: refused by name where its scores may outweigh the loss's tensors, and only there. Before: low on
+    such score-heavy shapes (the kernel's fp32 casts and its weights cast back were not counted)."""
+    heavy = dict(n_layer=1, d_model=16, n_head=8, seq_len=64, attn_impl="sdpa", dtype="bfloat16", dropout=0.1)
+    with pytest.raises(ValueError, match=r"sdpa's math kernel without checkpointing \(it runs it with dropout"):
+        estimate_step(ModelConfig(**heavy), 1)
+    estimate_step(ModelConfig(**{**heavy, "checkpoint": "full"}), 1)  # recomputed: modelled
+    estimate_step(ModelConfig(**{**heavy, "dropout": 0.0}), 1)  # flash: modelled
+    estimate_step(ModelConfig(**{**SMALL, "attn_impl": "sdpa", "dropout": 0.1}), 4)  # the loss decides: modelled
