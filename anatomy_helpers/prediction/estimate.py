@@ -371,7 +371,7 @@ def math_core_cap(cfg: ModelConfig, b: int) -> int | None:
     dtype (scaled q and k^T, copies) and two (b, a, s, s) ones (the product and the masked scores, or those and the
     softmax), three with dropout (its noise and output beside the softmax). At its end: four (N, h) tensors in the
     core's dtype (scaled q and k^T, v's copy, the output) and two in the model's (the output cast back, y's copy),
-    beside the weights (with dropout its noise and output too, and a cast back to a 16-bit dtype). Where the bound
+    beside the weights (with dropout its noise and output too; and their cast back to a 16-bit dtype). Where the bound
     stays under the modelled moments the kernel cannot decide forward's peak and :func:`estimate_step` is exact;
     elsewhere it refuses."""
     if not _math_sdpa(cfg) or cfg.checkpoint not in ("none", "offload"):
@@ -382,7 +382,7 @@ def math_core_cap(cfg: ModelConfig, b: int) -> int | None:
     before = activation_bytes(cfg, b) - head_activation_bytes(cfg, b)
     core_on = sum(v for k, v in terms.items() if k not in ("ln1", "attn.qkv"))  # not made yet, or made now
     scores = 5 * N * h * ec + (2 + dropout) * S
-    end = 4 * N * h * ec + 2 * N * h * e + (1 + 2 * dropout + cast) * S
+    end = 4 * N * h * ec + 2 * N * h * e + (1 + 2 * dropout) * S + (S * e // ec if cast else 0)
     casts = 3 * N * h * ec if cast else 0
     return before - core_on + _qkv_storages(cfg, N) + casts + 6 * s * s + max(scores, end)
 
