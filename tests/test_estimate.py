@@ -14,18 +14,15 @@ from anatomy_helpers.core.model import GPT, ModelConfig, param_count
 from anatomy_helpers.lessons.lesson05_kept import track_kept
 from anatomy_helpers.prediction.dryrun import dry_run_config
 from anatomy_helpers.prediction.estimate import (
-    activation_bytes,
     backward_moments,
-    block_terms,
     estimate_step,
     impl_of,
-    layer_activation_bytes,
     n_param_tensors,
     optimizer_state_bytes,
     param_sizes,
-    parameter_bytes,
     textbook_estimates,
 )
+from anatomy_helpers.prediction.kept import activation_bytes, block_terms, layer_activation_bytes, parameter_bytes
 from anatomy_helpers.prediction.saved import first_savers
 from anatomy_helpers.training.train import make_model
 
