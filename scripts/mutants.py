@@ -39,6 +39,7 @@ class Mutant:
 
 
 TRACE, ALLOC, EST = "tracking/trace.py", "prediction/allocator.py", "prediction/estimate.py"
+KEPT = "prediction/kept.py"
 T_TRACE = ("tests/test_trace_oracles.py",)
 T_ALLOC = ("tests/test_allocator.py",)
 T_EST = ("tests/test_estimate.py::test_block_terms_name_the_big_tensors_by_hand", "tests/test_closed_form_oracles.py")
@@ -143,17 +144,31 @@ MUTANTS = [
     # ---- the closed form and the textbook formulas
     Mutant(
         "estimate.out-proj-input-dropped",
-        EST,
-        'terms["attn.proj"] = 0 if fused and not llama else N * h * e',
+        KEPT,
+        'terms["attn.proj"] = 0 if fused and not y_copied else N * h * e',
         'terms["attn.proj"] = 0',
         T_EST,
     ),
     Mutant(
         "estimate.dropout-noise-halved",
-        EST,
+        KEPT,
         'attn_noise = scores * e if dropout and cfg.attn_impl == "manual" else 0',
         'attn_noise = scores * e // 2 if dropout and cfg.attn_impl == "manual" else 0',
         T_EST,
+    ),
+    Mutant(
+        "estimate.one-head-reshapes-copy",
+        KEPT,
+        "    return b == 1 or cfg.n_head == 1",
+        "    return b == 1",
+        ("tests/test_estimate.py::test_each_block_term_equals_what_its_module_saved",),
+    ),
+    Mutant(
+        "estimate.flash-at-head-width-2",
+        KEPT,
+        '    return cfg.attn_impl == "sdpa" and (cfg.dropout > 0 or narrow)',
+        '    return cfg.attn_impl == "sdpa" and cfg.dropout > 0',
+        ("tests/test_estimate.py::test_each_block_term_equals_what_its_module_saved",),
     ),
     Mutant(
         "estimate.tied-sum-dropped",
@@ -165,15 +180,15 @@ MUTANTS = [
     Mutant(
         "estimate.adam-step-counters-dropped",
         EST,
-        "return 2 * n * _elt(cfg) + 4 * n_param_tensors(cfg)",
-        "return 2 * n * _elt(cfg)",
+        "return 2 * n * elt(cfg) + 4 * n_param_tensors(cfg)",
+        "return 2 * n * elt(cfg)",
         ("tests/test_estimate.py::test_model_states_by_hand",),
     ),
     Mutant(
         "estimate.for-loop-adam-forgets-previous-denom",
         EST,
-        "return max(prev + 2 * n for prev, n in zip([0] + sizes, sizes)) * _elt(cfg)",
-        "return max(2 * n for n in sizes) * _elt(cfg)",
+        "return max(prev + 2 * n for prev, n in zip([0] + sizes, sizes)) * elt(cfg)",
+        "return max(2 * n for n in sizes) * elt(cfg)",
         T_EST,
     ),
     Mutant(

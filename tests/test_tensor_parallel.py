@@ -26,8 +26,8 @@ from anatomy_helpers.distributed.tensor_parallel import (
     tp_whole_sbh,
 )
 from anatomy_helpers.distributed.tp_plan import check_tp, qkv_rank_order
-from anatomy_helpers.prediction.estimate import layer_activation_bytes
 from anatomy_helpers.prediction.formulas import KORTHIKANTI_TERMS
+from anatomy_helpers.prediction.kept import layer_activation_bytes
 
 # 16-bit activations and dropout on, as the formula assumes; 8 heads so that t = 8 leaves one head per rank
 CFG = ModelConfig(n_layer=2, d_model=128, n_head=8, seq_len=64, dropout=0.1, dtype="bfloat16")
