@@ -53,7 +53,8 @@ def test_predict_hf_on_a_full_size_shipped_model(capsys):
     """GPT-2 (124M parameters) at its full size: a dry run of about 4 s of one core."""
     assert main(["predict", "--hf", "gpt2", "--seq-len", "64", "--optimizer", "sgd", "--impl", "single"]) == 0
     out = capsys.readouterr().out
-    assert "gpt2, full, b=1 s=64, bfloat16" in out and "FITS" in out and "on T4" in out  # the default GPU
+    assert "gpt2, full, b=1 s=64, float32, autocast float16" in out and "FITS" in out and "on T4" in out  # the default
+    assert "T4 (compute capability 7.5) has no native bfloat16" in out  # so its recipe: fp16 autocast, GradScaler
 
 
 @pytest.mark.parametrize(

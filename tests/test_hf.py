@@ -446,7 +446,7 @@ def test_a_model_without_attention_heads_is_refused_by_name_before_any_dry_run(t
     from anatomy_helpers.prediction import hf_step
 
     path = _written(tmp_path, transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=300))
-    monkeypatch.setattr(hf_step, "_fake_run", lambda *a: pytest.fail("the dry run started"))
+    monkeypatch.setattr(hf_step, "fake_run", lambda *a: pytest.fail("the dry run started"))
     with pytest.raises(ValueError, match=r"MambaConfig \(mamba\) has no num_attention_heads"):
         dry_run_hf(path, FineTune(attn_implementation="eager"))
 

@@ -56,9 +56,12 @@ def test_each_t4_fine_tune_gets_a_combination_that_fits(config, fields, tmp_path
         assert search.one_device and search.fixes[0].effect in ("time only", "numerics")
         fix = search.fixes[0]
     else:  # 16 B per parameter of model states (24.7 GiB for 1.54 B parameters): no single T4
-        assert not search.one_device and search.more_gpus is not None
-        fix = search.more_gpus
-        assert fix.name.split(" + ")[0].endswith(("ZeRO-1", "ZeRO-2", "ZeRO-3"))
+        # On T4s as a process sees them (14.08 GiB usable), 4 x ZeRO-3 + checkpointing holds 11.50 GiB of tensors
+        # but the simulated allocator's segments reach 14.49 GiB: no data-parallel setup at this batch fits either
+        assert not search.one_device and search.more_gpus is None and search.world_sizes == (2, 4)
+        assert "nor do 2 or 4 GPUs under ZeRO-1/2/3" in search.text("T4")
+        fix = search.fixes[0]  # what fits on one T4 trains something else: LoRA's adapters
+        assert fix.effect == "trained parameters" and "LoRA" in fix.name
     # the fix's verdict and peak are its full dry run's (will_it_fit_hf of the setup it names)
     assert fix.fits and fix.report.peak.tensors <= T4.usable and fix.setup.fine_tune != ft
     print(f"\n{fix.report.label}: {fix.name}: {fix.report.peak.tensors} B at the peak ({search.dry_runs} dry runs)")

@@ -192,6 +192,7 @@ class FixSearch:
     more_gpus: Fix | None
     one_device: bool
     dry_runs: int
+    world_sizes: tuple[int, ...] = ()  # the world sizes tried for ``more_gpus`` (those that split the batch evenly)
 
     def text(self, device_name: str) -> str:
         """What the table of fixes does not say: the refused levers, and the multi-GPU answer."""
@@ -203,7 +204,11 @@ class FixSearch:
             peak = size_text(self.more_gpus.report.peak.tensors)
             lines.append(f"{self.more_gpus.name} does: {peak} of tensors at rank 0's peak (a dry run of that rank)")
         elif not self.one_device:
-            lines.append(f"nor does any of {', '.join(map(str, MULTI_GPU))} GPUs under ZeRO-1/2/3 tried")
+            tried = " or ".join(map(str, self.world_sizes)) or "no"
+            lines.append(
+                f"nor do {tried} GPUs under ZeRO-1/2/3 (the world sizes of {', '.join(map(str, MULTI_GPU))} that "
+                "split the batch evenly), with the levers that keep its training"
+            )
         lines.append(f"({self.dry_runs} dry runs: pairs of one- and two-layer screens, and full confirmations)")
         return "\n".join(lines)
 
@@ -350,7 +355,8 @@ def search_fix_hf(
     if not one_device and world_size == 1:
         more = _more_gpus(search, ft, keeps)
     n = sum(1 for v in search.screens.values() if v is not None) * 2 + len(search.reports) + 1
-    return FixSearch(sorted(fixes, key=rank_key), refused, more, one_device, n)
+    sizes = tuple(k for k in MULTI_GPU if ft.batch_size % k == 0) if more is None and world_size == 1 else ()
+    return FixSearch(sorted(fixes, key=rank_key), refused, more, one_device, n, sizes)
 
 
 def _more_gpus(search: _Search, ft: FineTune, keeps: list[Lever]) -> Fix | None:

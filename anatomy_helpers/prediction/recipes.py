@@ -127,5 +127,5 @@ def device_recipe(method: str, device: Device) -> tuple[str, str | None, str]:
         return "bfloat16", None, ""
     note = precision_note("bfloat16", None, device)
     base = "float16" if method == "lora" else "float32"
-    what = "the frozen base in fp16 and fp32 adapters" if method == "lora" else "fp32 master weights and AdamW state"
+    what = "the frozen base in fp16 and fp32 adapters" if method == "lora" else "fp32 weights and optimizer state"
     return base, "float16", f"{note}: predicted with fp16 autocast + GradScaler, {what} (the recipe run there)"
