@@ -40,6 +40,7 @@ from .kept import (
     matmul_qkv,
     parameter_bytes,
     qkv_storages,
+    reshape_copies,
     saving_core,
     scores_materialised,
     segments,
@@ -203,6 +204,9 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         moments["last MLP"] = before + held + 2 * N * h * e + (3 if llama else 2) * N * F * e
         if scores_materialised(cfg):
             moments["last core"] = before + held + N * h * e + qkv_storages(cfg, N) + core_transients(cfg, b)
+        # the attention's end: its argument, q, k, v, its output, the out-projection's (with dropout its noise and
+        # output too) all still bound
+        moments["last attention"] = before + held + (3 + 2 * (cfg.dropout > 0)) * N * h * e + qkv_storages(cfg, N)
     elif cfg.checkpoint in ("none", "offload") and cfg.attn_impl == "manual":
         terms = block_terms(cfg, b)
         core_on = sum(v for k, v in terms.items() if k not in ("ln1", "attn.qkv"))  # not made yet, or made now
@@ -249,6 +253,9 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         if not llama and cfg.checkpoint in ("selective", "full", "every_k"):
             mlp_bwd -= h * e  # a recomputed block peaks at the out-projection before its bias gradient
     moments = {"head": activation_bytes(cfg, b) - 4 + 2 * N * V * 4}  # the loss's 4-byte total weight freed
+    # the LM head's backward: the log-probabilities and their gradient freed, the logits' gradient (in the model's
+    # dtype), the head weight's gradient and its input's (the peak where h outweighs the tokens and V)
+    moments["LM head"] = activation_bytes(cfg, b) - 4 - N * V * 4 + N * V * e + V * h * e + N * h * e
     if llama:  # RMSNorm's backward is its ops' (no fused kernel): the final norm's input beside five (N, h) tensors
         moments["final norm"] = acts + head_grads + 6 * N * h * e
     none = layer_activation_bytes(cfg, b, "none")
@@ -265,13 +272,21 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     else:
         recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if cfg.checkpoint == "selective" else 0
         inside = {"MLP": recomputed + mlp_bwd}
+        if not llama and cfg.checkpoint != "selective":
+            # GPT-2's fc backward: GELU's input and output (and the dropout's noise) freed, the fc output's and input's
+            # gradients beside both weights' (the peak where F*h outweighs the tokens)
+            freed = 2 * N * F * e + (N * h * e if cfg.dropout > 0 else 0)
+            inside["fc"] = 2 * N * h * e + N * F * e + 2 * F * h * e + h * e + F * e - freed
         if materialised:
-            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too (at batch 1 or with
-                # one head views of the kept q, k, v: the manual core's three, the math kernel's v)
+            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too, but where its
+                # matmuls save views of the kept q, k, v: the manual core's uncopied ones (reshape_copies), the math
+                # kernel's v (at batch 1, with one head, or a grouped-query repeat: contiguous) where not cast
                 v_saved = matmul_qkv(cfg, b) - matmul_qkv(cfg, b, without_v=True)
-                manual = cfg.attn_impl == "manual"
-                views = head_views(cfg, b) and core_elt(cfg) == e
-                kept = 0 if not views else qkv_storages(cfg, N) if manual else v_saved
+                grouped = cfg.block == "llama" and cfg.kv_heads != cfg.n_head
+                if cfg.attn_impl == "manual":
+                    kept = matmul_qkv(cfg, b) - sum(reshape_copies(cfg, b))
+                else:
+                    kept = v_saved if (head_views(cfg, b) or grouped) and core_elt(cfg) == e else 0
                 terms = block_terms(cfg, b)
                 recomputed = terms["attn"] + terms["attn.attn_drop"] - kept
             inside["core"] = recomputed + _core_backward(cfg, b)
@@ -368,6 +383,13 @@ def estimate_step(
             "recomputed head change the loss's moments; dry-run it instead (dryrun.dry_run_config)"
         )
     check_optimizer(cfg, optimizer)
+    if cfg.checkpoint == "selective" and math_sdpa(cfg) and (cfg.block == "llama" or core_elt(cfg) != elt(cfg)):
+        raise ValueError(
+            "estimate_step does not model CPU sdpa's math kernel recomputed under checkpoint='selective' "
+            f"({'a Llama block' if cfg.block == 'llama' else 'a 16-bit model, its fp32 casts'}): the recomputation "
+            "replays the kernel's saved matmul outputs but makes its casts, scaled q and k^T, mask, softmax and "
+            "dropout again beside them; dry-run it instead (dryrun.dry_run_config)"
+        )
     cap, modelled = math_core_cap(cfg, batch_size), max(forward_moments(cfg, batch_size).values())
     if cap is not None and cap > modelled:
         raise ValueError(

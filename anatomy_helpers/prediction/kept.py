@@ -228,6 +228,10 @@ def core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int:
     if cfg.attn_impl == "sdpa":
         casts = 3 * N * h * ec if ec != e else 0
         copies = 3 * N * h * ec if not head_views(cfg, b) or ec != e else 2 * N * h * e
+        if ec == e and not head_views(cfg, b) and cfg.block == "llama" and cfg.kv_heads != cfg.n_head:
+            # grouped-query: k and v are contiguous repeats, reshaped as views; only the scaled k^T is new (and the
+            # scaled q's copy where the rotary q is strided, at head width 2)
+            copies = N * h * ec * (2 if cfg.head_dim == 2 and s > 1 else 1)
         end = 0  # the weights beside the output: never above the scores beside the copies
         if ec != e and head_views(cfg, b):  # the fp32 casts reshaped as views: only the scaled k^T is new
             copies = N * h * ec
