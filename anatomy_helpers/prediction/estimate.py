@@ -265,18 +265,16 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         first = embedding_activation_bytes(cfg, b) + G - _emb_params(cfg) + (V * h * e if tied else 0)
         first -= segs[0] * block_parameter_bytes(cfg)
         # a segment recomputed (its input kept by the checkpoint), at its last block's MLP or attention core
-        for name, inside in (("segment", mlp_bwd), ("segment core", _core_backward(cfg, b) if materialised else None)):
+        core = _core_backward(cfg, b) if materialised else None
+        for name, inside in (("segment", mlp_bwd), ("segment fc", _mlp_input_backward(cfg, b)), ("segment core", core)):
             if inside is not None:
                 last = acts + head_grads + segs[-1] * none + inside - N * h * e
                 moments[name] = max(last, first + segs[0] * none + inside)
     else:
         recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if cfg.checkpoint == "selective" else 0
         inside = {"MLP": recomputed + mlp_bwd}
-        if not llama and cfg.checkpoint != "selective":
-            # GPT-2's fc backward: GELU's input and output (and the dropout's noise) freed, the fc output's and input's
-            # gradients beside both weights' (the peak where F*h outweighs the tokens)
-            freed = 2 * N * F * e + (N * h * e if cfg.dropout > 0 else 0)
-            inside["fc"] = 2 * N * h * e + N * F * e + 2 * F * h * e + h * e + F * e - freed
+        if cfg.checkpoint != "selective":
+            inside["fc"] = _mlp_input_backward(cfg, b)
         if materialised:
             if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too, but where its
                 # matmuls save views of the kept q, k, v: the manual core's uncopied ones (reshape_copies), the math
@@ -312,6 +310,21 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     grad_out = N * h * e
     moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)
     return moments
+
+
+def _mlp_input_backward(cfg: ModelConfig, b: int) -> int:
+    """The last MLP's input projections' backward, relative to its block with everything it saves alive (bytes):
+    the peak where the MLP's weights outweigh the tokens.
+
+    GPT-2 at fc: GELU's input and output (and the dropout's noise) freed; the residual's gradient, the fc output's
+    and input's, both weights' and biases'. Llama at gate: SwiGLU's silu input and output, up's output and their
+    product (and the noise) freed; the residual's gradient, the gate output's, up's and gate's input gradients (not
+    summed yet) and the three weights'."""
+    e, h, N, F = elt(cfg), cfg.d_model, b * cfg.seq_len, cfg.mlp_ratio * cfg.d_model
+    noise = N * h * e if cfg.dropout > 0 else 0
+    if cfg.block == "llama":
+        return 3 * N * h * e + N * F * e + 3 * F * h * e - 4 * N * F * e - noise
+    return 2 * N * h * e + N * F * e + 2 * F * h * e + h * e + F * e - 2 * N * F * e - noise
 
 
 def _core_backward(cfg: ModelConfig, b: int) -> int:
