@@ -403,6 +403,14 @@ def estimate_step(
             "replays the kernel's saved matmul outputs but makes its casts, scaled q and k^T, mask, softmax and "
             "dropout again beside them; dry-run it instead (dryrun.dry_run_config)"
         )
+    grouped = cfg.block == "llama" and cfg.kv_heads != cfg.n_head
+    if cfg.checkpoint in ("full", "every_k") and math_sdpa(cfg) and core_elt(cfg) != elt(cfg) and grouped:
+        raise ValueError(
+            f"estimate_step does not model CPU sdpa's math kernel recomputed under checkpoint={cfg.checkpoint!r} "
+            "with grouped-query attention in a 16-bit model: rerun with autograd saving, its fp32 casts of the "
+            "contiguous key/value repeats and its weights cast back may decide backward's peak; dry-run it instead "
+            "(dryrun.dry_run_config)"
+        )
     cap, modelled = math_core_cap(cfg, batch_size), max(forward_moments(cfg, batch_size).values())
     if cap is not None and cap > modelled:
         raise ValueError(
