@@ -6,16 +6,19 @@ optimizer allocates. Notation as in ``formulas``: ``N = b*s`` tokens, ``h`` hidd
 ``a`` heads, ``V`` vocabulary, ``e`` bytes per element of the model's dtype. Bytes everywhere.
 
 A phase's peak is the largest of a few named moments (:func:`forward_moments`, :func:`backward_moments`): the
-loss, the last block's MLP and attention core (forward inside the core, checkpointed or not; backward as the
-gradients arrive), the first block's (where a block's parameters outweigh what it keeps) and its qkv projection, a
-recomputed segment (at its MLP or its attention core), Llama's final RMSNorm, and the embedding, where a tied
+loss, the last block's MLP and attention core (forward inside the core, checkpointed or not, and at a checkpointed
+attention's end; backward as the gradients arrive, at the MLP's out-projection and at its input projections), the
+first block's (where a block's parameters outweigh what it keeps) and its qkv projection, a recomputed segment (at
+its MLP or its attention core), the LM head's backward, Llama's final RMSNorm, and the embedding, where a tied
 embedding's gradient meets the LM head's.
 The per-block terms are what each module saves on CPU (:func:`block_terms`). Checked against what a real forward
 saved (saved.py) and against the dry run (which equals the measurement byte for byte) by tests/test_estimate.py;
 benchmarks/prediction_errors.py prints the error table of its sweep (step peaks equal to the byte), and against the
 dry run on seeded random configurations by tests/test_closed_form_property.py. Autocast and gradient accumulation
 are not modelled (:func:`estimate_step` refuses them), nor forward inside CPU sdpa's math kernel without
-checkpointing (refused where a bound says it may decide the peak: :func:`math_core_cap`). Beside it,
+checkpointing (refused where a bound says it may decide the peak: :func:`math_core_cap`), nor that kernel recomputed
+under "selective" (for a Llama block or a 16-bit model) or in a recomputed segment of a 16-bit grouped-query Llama
+block (both refused by name). Beside it,
 :func:`textbook_estimates` gives what the usual rules of thumb say.
 """
 
@@ -376,7 +379,8 @@ def estimate_step(
     Autocast and gradient accumulation are not modelled (autocast's casts and saved dtypes follow per-op rules; a
     second micro-batch adds a gradient sum per parameter): they are refused with a ValueError, and the dry run
     (``dryrun.dry_run_config``) measures them instead. So is a shape where forward inside CPU sdpa's math kernel,
-    without checkpointing, may decide the peak (:func:`math_core_cap`).
+    without checkpointing, may decide the peak (:func:`math_core_cap`), and that kernel recomputed: under
+    "selective" for a Llama block or a 16-bit model, under "full" or "every_k" for a 16-bit grouped-query Llama block.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
