@@ -276,8 +276,8 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     else:
         recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if cfg.checkpoint == "selective" else 0
         inside = {"MLP": recomputed + mlp_bwd}
-        if cfg.checkpoint != "selective":
-            inside["fc"] = _mlp_input_backward(cfg, b)
+        if llama or cfg.checkpoint != "selective":  # (GPT-2's recomputed GELU under "selective" peaks elsewhere)
+            inside["fc"] = recomputed + _mlp_input_backward(cfg, b)
         if materialised:
             if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too, but where its
                 # matmuls save views of the kept q, k, v: the manual core's uncopied ones (reshape_copies), the math
