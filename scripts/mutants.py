@@ -187,7 +187,7 @@ MUTANTS = [
     Mutant(
         "estimate.mlp-input-backward-dropped",
         EST,
-        'inside["fc"] = _mlp_input_backward(cfg, b)',
+        'inside["fc"] = recomputed + _mlp_input_backward(cfg, b)',
         'inside["fc"] = 0',
         ("tests/test_estimate.py::test_the_property_tests_misses_equal_the_dry_run",),
     ),
