@@ -178,6 +178,27 @@ MUTANTS = [
         T_EST,
     ),
     Mutant(
+        "estimate.lm-head-moment-dropped",
+        EST,
+        'moments["LM head"] = activation_bytes(cfg, b) - 4 - N * V * 4 + N * V * e + V * h * e + N * h * e',
+        'moments["LM head"] = 0',
+        ("tests/test_estimate.py::test_the_property_tests_misses_equal_the_dry_run",),
+    ),
+    Mutant(
+        "estimate.mlp-input-backward-dropped",
+        EST,
+        'inside["fc"] = recomputed + _mlp_input_backward(cfg, b)',
+        'inside["fc"] = 0',
+        ("tests/test_estimate.py::test_the_property_tests_misses_equal_the_dry_run",),
+    ),
+    Mutant(
+        "estimate.recomputed-grouped-v-copied",
+        EST,
+        "kept = v_saved if (head_views(cfg, b) or grouped) and core_elt(cfg) == e else 0",
+        "kept = v_saved if head_views(cfg, b) and core_elt(cfg) == e else 0",
+        ("tests/test_estimate.py::test_the_property_tests_misses_equal_the_dry_run",),
+    ),
+    Mutant(
         "estimate.adam-step-counters-dropped",
         EST,
         "return 2 * n * elt(cfg) + 4 * n_param_tensors(cfg)",

@@ -12,6 +12,7 @@ stay a minority, so the test cannot pass by refusing everything.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -22,7 +23,8 @@ from anatomy_helpers.core.model import ATTENTION_IMPLS, BLOCKS, DTYPES, ModelCon
 from anatomy_helpers.prediction.dryrun import dry_run_config
 from anatomy_helpers.prediction.estimate import IMPLEMENTATIONS, MODELLED_OPTIMIZERS, estimate_step, n_param_tensors
 
-SEED = 41  # the issue that asked for the test; any seed must pass (the docstring's promise), this one is run
+# the issue that asked for the test; any seed must pass (the docstring's promise): CLOSED_FORM_SEED=7 runs another
+SEED = int(os.environ.get("CLOSED_FORM_SEED", "41"))
 CASES = 500
 MAX_REFUSED = 0.1  # refusals allowed, as a share of the cases
 
@@ -45,7 +47,9 @@ def random_case(rng: random.Random) -> Case:
     block = rng.choice(BLOCKS)
     n_head = rng.choice([1, 1, 2, 3, 4, 5, 8])
     widths = [2, 2, 4, 6, 8] if block == "llama" else [1, 2, 3, 4, 5, 7, 8]  # rotary turns pairs: even widths
-    n_layer = rng.choice([1, 1, 1, 1, 1, 1, 2, 2, 2, 3])  # every op costs the same: few blocks keep it fast
+    # every op costs the same however small: mostly one block keeps it fast; two and three blocks (one in five)
+    # still reach the first block's moments and every_k's longer segments
+    n_layer = rng.choice([1, 1, 1, 1, 1, 1, 1, 1, 2, 3])
     config = dict(
         block=block,
         n_layer=n_layer,
@@ -89,13 +93,6 @@ def mismatches(case: Case) -> dict[tuple[int, str], tuple[int, int]] | None:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #41 follow-up: 5 of these 500 cases (10 of seed 7's) still differ from the dry run, nearly all in "
-    "backward, by up to 6 % either way (tiny shapes where a block's parameters outweigh its activations: Llama with "
-    "grouped-query attention, 16-bit sdpa math kernels, attention/offload policies); strict: the mark goes once "
-    "they are exact or refused",
-)
 def test_closed_form_equals_the_dry_run_on_random_configurations():
     rng = random.Random(SEED)
     cases = [random_case(rng) for _ in range(CASES)]
@@ -128,6 +125,8 @@ def test_the_generator_is_deterministic_and_varied(seed):
     assert {c.optimizer for c in cases} == set(MODELLED_OPTIMIZERS)
     assert {c.impl for c in cases} == set(IMPLEMENTATIONS)
     assert {c.batch for c in cases} == {1, 2, 3, 4}
+    assert {c.config["n_layer"] for c in cases} == {1, 2, 3}
+    assert any(c.config["checkpoint"] == "every_k" and c.config["checkpoint_every"] > 1 for c in cases)
     assert any(c.config["dropout"] > 0 for c in cases) and any(c.config["dropout"] == 0 for c in cases)
     assert any(c.config["d_model"] % 2 for c in cases)  # odd widths
     assert any(c.config["n_head"] == 1 for c in cases)

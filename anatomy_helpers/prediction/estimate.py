@@ -6,16 +6,19 @@ optimizer allocates. Notation as in ``formulas``: ``N = b*s`` tokens, ``h`` hidd
 ``a`` heads, ``V`` vocabulary, ``e`` bytes per element of the model's dtype. Bytes everywhere.
 
 A phase's peak is the largest of a few named moments (:func:`forward_moments`, :func:`backward_moments`): the
-loss, the last block's MLP and attention core (forward inside the core, checkpointed or not; backward as the
-gradients arrive), the first block's (where a block's parameters outweigh what it keeps) and its qkv projection, a
-recomputed segment (at its MLP or its attention core), Llama's final RMSNorm, and the embedding, where a tied
+loss, the last block's MLP and attention core (forward inside the core, checkpointed or not, and at a checkpointed
+attention's end; backward as the gradients arrive, at the MLP's out-projection and at its input projections), the
+first block's (where a block's parameters outweigh what it keeps) and its qkv projection, a recomputed segment (at
+its MLP or its attention core), the LM head's backward, Llama's final RMSNorm, and the embedding, where a tied
 embedding's gradient meets the LM head's.
 The per-block terms are what each module saves on CPU (:func:`block_terms`). Checked against what a real forward
 saved (saved.py) and against the dry run (which equals the measurement byte for byte) by tests/test_estimate.py;
 benchmarks/prediction_errors.py prints the error table of its sweep (step peaks equal to the byte), and against the
 dry run on seeded random configurations by tests/test_closed_form_property.py. Autocast and gradient accumulation
 are not modelled (:func:`estimate_step` refuses them), nor forward inside CPU sdpa's math kernel without
-checkpointing (refused where a bound says it may decide the peak: :func:`math_core_cap`). Beside it,
+checkpointing (refused where a bound says it may decide the peak: :func:`math_core_cap`), nor that kernel recomputed
+under "selective" (for a Llama block or a 16-bit model) or in a recomputed segment of a 16-bit grouped-query Llama
+block (both refused by name). Beside it,
 :func:`textbook_estimates` gives what the usual rules of thumb say.
 """
 
@@ -40,6 +43,7 @@ from .kept import (
     matmul_qkv,
     parameter_bytes,
     qkv_storages,
+    reshape_copies,
     saving_core,
     scores_materialised,
     segments,
@@ -203,6 +207,9 @@ def forward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         moments["last MLP"] = before + held + 2 * N * h * e + (3 if llama else 2) * N * F * e
         if scores_materialised(cfg):
             moments["last core"] = before + held + N * h * e + qkv_storages(cfg, N) + core_transients(cfg, b)
+        # the attention's end: its argument, q, k, v, its output, the out-projection's (with dropout its noise and
+        # output too) all still bound
+        moments["last attention"] = before + held + (3 + 2 * (cfg.dropout > 0)) * N * h * e + qkv_storages(cfg, N)
     elif cfg.checkpoint in ("none", "offload") and cfg.attn_impl == "manual":
         terms = block_terms(cfg, b)
         core_on = sum(v for k, v in terms.items() if k not in ("ln1", "attn.qkv"))  # not made yet, or made now
@@ -249,6 +256,9 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         if not llama and cfg.checkpoint in ("selective", "full", "every_k"):
             mlp_bwd -= h * e  # a recomputed block peaks at the out-projection before its bias gradient
     moments = {"head": activation_bytes(cfg, b) - 4 + 2 * N * V * 4}  # the loss's 4-byte total weight freed
+    # the LM head's backward: the log-probabilities and their gradient freed, the logits' gradient (in the model's
+    # dtype), the head weight's gradient and its input's (the peak where h outweighs the tokens and V)
+    moments["LM head"] = activation_bytes(cfg, b) - 4 - N * V * 4 + N * V * e + V * h * e + N * h * e
     if llama:  # RMSNorm's backward is its ops' (no fused kernel): the final norm's input beside five (N, h) tensors
         moments["final norm"] = acts + head_grads + 6 * N * h * e
     none = layer_activation_bytes(cfg, b, "none")
@@ -258,20 +268,26 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         first = embedding_activation_bytes(cfg, b) + G - _emb_params(cfg) + (V * h * e if tied else 0)
         first -= segs[0] * block_parameter_bytes(cfg)
         # a segment recomputed (its input kept by the checkpoint), at its last block's MLP or attention core
-        for name, inside in (("segment", mlp_bwd), ("segment core", _core_backward(cfg, b) if materialised else None)):
+        core = _core_backward(cfg, b) if materialised else None
+        for name, inside in (("segment", mlp_bwd), ("segment fc", _mlp_input_backward(cfg, b)), ("segment core", core)):
             if inside is not None:
                 last = acts + head_grads + segs[-1] * none + inside - N * h * e
                 moments[name] = max(last, first + segs[0] * none + inside)
     else:
         recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if cfg.checkpoint == "selective" else 0
         inside = {"MLP": recomputed + mlp_bwd}
+        if llama or cfg.checkpoint != "selective":  # (GPT-2's recomputed GELU under "selective" peaks elsewhere)
+            inside["fc"] = recomputed + _mlp_input_backward(cfg, b)
         if materialised:
-            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too (at batch 1 or with
-                # one head views of the kept q, k, v: the manual core's three, the math kernel's v)
+            if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too, but where its
+                # matmuls save views of the kept q, k, v: the manual core's uncopied ones (reshape_copies), the math
+                # kernel's v (at batch 1, with one head, or a grouped-query repeat: contiguous) where not cast
                 v_saved = matmul_qkv(cfg, b) - matmul_qkv(cfg, b, without_v=True)
-                manual = cfg.attn_impl == "manual"
-                views = head_views(cfg, b) and core_elt(cfg) == e
-                kept = 0 if not views else qkv_storages(cfg, N) if manual else v_saved
+                grouped = cfg.block == "llama" and cfg.kv_heads != cfg.n_head
+                if cfg.attn_impl == "manual":
+                    kept = matmul_qkv(cfg, b) - sum(reshape_copies(cfg, b))
+                else:
+                    kept = v_saved if (head_views(cfg, b) or grouped) and core_elt(cfg) == e else 0
                 terms = block_terms(cfg, b)
                 recomputed = terms["attn"] + terms["attn.attn_drop"] - kept
             inside["core"] = recomputed + _core_backward(cfg, b)
@@ -297,6 +313,21 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     grad_out = N * h * e
     moments["embedding"] = G + (V * h * e + max(grad_out, V * h * e) if tied else grad_out)
     return moments
+
+
+def _mlp_input_backward(cfg: ModelConfig, b: int) -> int:
+    """The last MLP's input projections' backward, relative to its block with everything it saves alive (bytes):
+    the peak where the MLP's weights outweigh the tokens.
+
+    GPT-2 at fc: GELU's input and output (and the dropout's noise) freed; the residual's gradient, the fc output's
+    and input's, both weights' and biases'. Llama at gate: SwiGLU's silu input and output, up's output and their
+    product (and the noise) freed; the residual's gradient, the gate output's, up's and gate's input gradients (not
+    summed yet) and the three weights'."""
+    e, h, N, F = elt(cfg), cfg.d_model, b * cfg.seq_len, cfg.mlp_ratio * cfg.d_model
+    noise = N * h * e if cfg.dropout > 0 else 0
+    if cfg.block == "llama":
+        return 3 * N * h * e + N * F * e + 3 * F * h * e - 4 * N * F * e - noise
+    return 2 * N * h * e + N * F * e + 2 * F * h * e + h * e + F * e - 2 * N * F * e - noise
 
 
 def _core_backward(cfg: ModelConfig, b: int) -> int:
@@ -348,7 +379,8 @@ def estimate_step(
     Autocast and gradient accumulation are not modelled (autocast's casts and saved dtypes follow per-op rules; a
     second micro-batch adds a gradient sum per parameter): they are refused with a ValueError, and the dry run
     (``dryrun.dry_run_config``) measures them instead. So is a shape where forward inside CPU sdpa's math kernel,
-    without checkpointing, may decide the peak (:func:`math_core_cap`).
+    without checkpointing, may decide the peak (:func:`math_core_cap`), and that kernel recomputed: under
+    "selective" for a Llama block or a 16-bit model, under "full" or "every_k" for a 16-bit grouped-query Llama block.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
@@ -368,6 +400,21 @@ def estimate_step(
             "recomputed head change the loss's moments; dry-run it instead (dryrun.dry_run_config)"
         )
     check_optimizer(cfg, optimizer)
+    if cfg.checkpoint == "selective" and math_sdpa(cfg) and (cfg.block == "llama" or core_elt(cfg) != elt(cfg)):
+        raise ValueError(
+            "estimate_step does not model CPU sdpa's math kernel recomputed under checkpoint='selective' "
+            f"({'a Llama block' if cfg.block == 'llama' else 'a 16-bit model, its fp32 casts'}): the recomputation "
+            "replays the kernel's saved matmul outputs but makes its casts, scaled q and k^T, mask, softmax and "
+            "dropout again beside them; dry-run it instead (dryrun.dry_run_config)"
+        )
+    grouped = cfg.block == "llama" and cfg.kv_heads != cfg.n_head
+    if cfg.checkpoint in ("full", "every_k") and math_sdpa(cfg) and core_elt(cfg) != elt(cfg) and grouped:
+        raise ValueError(
+            f"estimate_step does not model CPU sdpa's math kernel recomputed under checkpoint={cfg.checkpoint!r} "
+            "with grouped-query attention in a 16-bit model: rerun with autograd saving, its fp32 casts of the "
+            "contiguous key/value repeats and its weights cast back may decide backward's peak; dry-run it instead "
+            "(dryrun.dry_run_config)"
+        )
     cap, modelled = math_core_cap(cfg, batch_size), max(forward_moments(cfg, batch_size).values())
     if cap is not None and cap > modelled:
         raise ValueError(

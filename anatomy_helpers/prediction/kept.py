@@ -228,9 +228,15 @@ def core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int:
     if cfg.attn_impl == "sdpa":
         casts = 3 * N * h * ec if ec != e else 0
         copies = 3 * N * h * ec if not head_views(cfg, b) or ec != e else 2 * N * h * e
+        # grouped-query: k and v are contiguous repeats (so are their casts), reshaped as views; only the scaled k^T
+        # is new, and the scaled q's copy where the rotary q is strided (head width 2)
+        grouped = not head_views(cfg, b) and cfg.block == "llama" and cfg.kv_heads != cfg.n_head
+        strided_q = N * h * ec if grouped and cfg.head_dim == 2 and s > 1 else 0
+        if ec == e and grouped:
+            copies = N * h * ec + strided_q
         end = 0  # the weights beside the output: never above the scores beside the copies
-        if ec != e and head_views(cfg, b):  # the fp32 casts reshaped as views: only the scaled k^T is new
-            copies = N * h * ec
+        if ec != e and (head_views(cfg, b) or grouped):  # the fp32 casts reshaped as views: only the scaled k^T new
+            copies = N * h * ec + strided_q
             end = S + S * e // ec + N * h * ec + N * h * e  # the weights and the output, each also cast back
         return casts + N * h * ec + 4 * s * s + max(copies + S, kept + (3 if dropout else 2) * S, kept + end)
     q, k, v = reshape_copies(cfg, b)
