@@ -215,7 +215,7 @@ def fit_panel(
         print(f"No prediction for {device}: {why}.\nShown instead: the dry run by the CPU kernels' rules against "
               f"{device}'s {total / GiB:.1f} GiB.")  # fmt: skip
         report = will_it_fit(cfg, batch_size, device=total, **options)
-    print(report.table())
+    print(report.table(brief=True))  # the figure stays in view; print(report) gives the whole answer
     fig = plot_fit(report)
     # what the verdict rests on, for the panel's digest (widgets.figure_digest): the device's memory changes the
     # verdict even where its line is off the scale of the bars

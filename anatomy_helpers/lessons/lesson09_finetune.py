@@ -346,7 +346,7 @@ def fit_panel_hf(
         model, ft, device, world_size=world_size, zero=zero if world_size > 1 else None,
         trace=dry_run(model, ft, world_size, zero),
     )  # fmt: skip
-    print(report.table())
+    print(report.table(brief=True))  # the figure stays in view; print(report) gives the whole answer
     ranks = f", per rank of {world_size} under {'DDP' if zero == 0 else f'ZeRO-{zero}'}" if world_size > 1 else ""
     fig = plot_fit(report, title=f"Will it fit? {report.label} on {report.device}{ranks}")
     fig.panel_numbers = (report.capacity, report.usable, report.fits)  # the verdict, for widgets.figure_digest

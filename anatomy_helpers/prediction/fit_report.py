@@ -197,9 +197,10 @@ class FitReport:
     def __str__(self) -> str:  # print(report) shows the table, its assumptions and verdict
         return self.table()
 
-    def table(self) -> str:
+    def table(self, brief: bool = False) -> str:
         """The phases (tensors beside reserved, the capped allocator's outcome), the usable memory, the assumptions,
-        then :meth:`decision_lines` and the report's note."""
+        then :meth:`decision_lines` and the report's note. ``brief`` (a slider panel, whose figure must stay in
+        view): the phases, the usable memory and the verdict, with a pointer to the whole answer."""
         unit, scale = pick_unit(max(p.reserved for p in self.phases))  # the rows' unit suits the step, not the GPU
         cols = [Col("step", 4), Col("phase", 9, align="<", gap="  "), Col("tensors", 9, ".2f")]
         cols += [Col("reserved", 9, ".2f"), Col("tensors fit", 11), Col("allocator", 9)]
@@ -222,10 +223,17 @@ class FitReport:
             if self.reserved_extra
             else ""
         )
-        footer = [
+        usable = (
             f"usable on {self.device}: {size_text(self.usable)} = {size_text(self.capacity)} "
             f"{self.capacity_note + ' ' if self.capacity_note else ''}"
-            f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}",
+            f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}"
+        )
+        if brief:
+            whole = "(printed whole, the report will_it_fit returns adds its assumptions, margin and what decides)"
+            footer = [usable, self.verdict(), *([self.note] if self.note else []), whole]
+            return format_table(cols, rows, note=f"({unit})", footer=footer)
+        footer = [
+            usable,
             "assumptions:",
             *(f"  - {line}" for line in self.assumption_lines()),
             *self.decision_lines(),
