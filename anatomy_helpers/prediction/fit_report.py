@@ -117,7 +117,7 @@ class FitReport:
         found = [p for p in self.phases if (p.step, p.phase) == (step, phase)]
         return found[0] if found else PhaseNeed(step, phase, 0, 0, {})
 
-    def verdict(self) -> str:
+    def verdict(self, detail: bool = True) -> str:
         """One sentence: fits or which phase of which step runs out first, by the simulated allocator's reserved
         memory (which decides), the tensors' peak beside it; "BUT TOO CLOSE TO CALL" where :attr:`close`."""
         pk = self.peak
@@ -140,7 +140,7 @@ class FitReport:
             step, phase = self.failure
             where = "before step 1 (the model itself)" if step == 0 else f"in step {step}'s {phase} pass"
             held = f"the simulated caching allocator, capped at {usable} usable, runs out first {where}"
-            if self.oom is not None and self.oom.requested is not None:
+            if detail and self.oom is not None and self.oom.requested is not None:  # what it held and asked
                 stuck = self.oom.reserved - self.oom.allocated
                 held += (
                     f": with its entirely free segments given back it still holds {size_text(self.oom.reserved)}, "
@@ -229,8 +229,8 @@ class FitReport:
             f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}"
         )
         if brief:
-            whole = "(printed whole, the report will_it_fit returns adds its assumptions, margin and what decides)"
-            footer = [usable, self.verdict(), *([self.note] if self.note else []), whole]
+            usable = f"usable on {self.device}: {size_text(self.usable)} (print the report: how, and assumptions)"
+            footer = [usable, self.verdict(detail=False), *([self.note] if self.note else [])]
             return format_table(cols, rows, note=f"({unit})", footer=footer)
         footer = [
             usable,
