@@ -217,6 +217,10 @@ class FitReport:
              capped(i))
             for i, p in enumerate(self.phases)
         ]  # fmt: skip
+        if brief:
+            usable = f"usable on {self.device}: {size_text(self.usable)} (print the report: how, and assumptions)"
+            footer = [usable, self.verdict(detail=False), *([self.note] if self.note else [])]
+            return format_table(cols, rows, note=f"({unit})", footer=footer)
         kept = (
             f"; the allocator replay is capped {size_text(self.reserved_extra)} lower, kept for the "
             "accumulated gradients and the whole batch's inputs"
@@ -228,10 +232,6 @@ class FitReport:
             f"{self.capacity_note + ' ' if self.capacity_note else ''}"
             f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}"
         )
-        if brief:
-            usable = f"usable on {self.device}: {size_text(self.usable)} (print the report: how, and assumptions)"
-            footer = [usable, self.verdict(detail=False), *([self.note] if self.note else [])]
-            return format_table(cols, rows, note=f"({unit})", footer=footer)
         footer = [
             usable,
             "assumptions:",
