@@ -11,9 +11,9 @@ each lowers some categories of memory (``acts_on``) and costs something else: re
 * a step that already fits needs no change: :func:`cheapest_fix` ranks nothing (an empty list);
 * a candidate that does not lower the step's peak of tensor bytes is dropped, whatever else it does;
 * a recompute is counted in the extra FLOPs; a cost the count cannot see is not ranked as free: its extra FLOPs
-  are unknown (None) and it ranks after every counted lever of the same effect. Two such: the element-wise ops
+  are unknown (None) and it ranks after every counted lever of the same effect. One such: the element-wise ops
   that ``checkpoint=selective`` recomputes (``FlopCounterMode`` counts matrix multiplications and attention
-  kernels only), and sdpa's attention on the CPU dry run (no formula for the CPU flash kernel);
+  kernels only; sdpa's is counted, the CPU flash kernel included: ``training.step.flop_counter``);
 * :func:`verify_levers`' dominant-category filter narrows only the levers that change training (numerics, the
   global batch, the optimizer): those are tried where they act on the category holding the peak. A lever that
   keeps the maths (effect "time only") costs nothing but time, so it is always tried, and kept where the dry run
@@ -176,9 +176,8 @@ def levers(
     micro-batches) also gradient accumulation (2m, 4m, ... micro-batches dividing it: the same global batch) and
     a smaller global batch (the same micro-batch sizes, not accumulated). ``device`` picks the mixed precision
     (bf16, or fp16 + GradScaler below compute capability 8.0). The chunked loss's chunk: a quarter of a sequence."""
-    sdpa = "the CPU flash-attention kernel: FlopCounterMode has no formula for it"
-    out = [Lever("sdpa attention", ("activations",), "time only", f"no s x s scores kept (FLOPs: {sdpa})",
-                 {"attn_impl": "sdpa"}, uncounted=sdpa)]  # fmt: skip
+    out = [Lever("sdpa attention", ("activations",), "time only", "no s x s scores kept (backward recomputes them)",
+                 {"attn_impl": "sdpa"})]  # fmt: skip
     out += _accumulation(batch_size, micro_batches)
     scores_kept = cfg.attn_impl == "manual" or cfg.dropout > 0  # sdpa without dropout keeps no s^2 scores
     if scores_kept:
