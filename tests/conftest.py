@@ -4,9 +4,6 @@ import os
 # so the two xdist workers and the nbval kernels they start (which inherit it) do not take cores from each other.
 # scripts/course.py sets it for `test.sh`; this covers a plain `pytest`. A value already set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# The suite runs whole notebooks unattended (nbval, the Colab, Binder and browser paths, whose kernels inherit this):
-# an exercise whose prediction is left at None must not stop them (anatomy_helpers.ui.exercises.AUTORUN_ENV).
-os.environ["ANATOMY_AUTORUN"] = "1"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

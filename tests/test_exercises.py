@@ -136,7 +136,7 @@ def test_a_bad_tolerance_is_refused(tolerance):
 def test_the_suite_runs_unattended():
     import os
 
-    assert os.environ.get(AUTORUN_ENV) == "1"  # tests/conftest.py: nbval's kernels inherit it
+    assert os.environ.get(AUTORUN_ENV) == "1"  # the root conftest.py: nbval's kernels inherit it
 
 
 def test_require_prediction_stops_a_run_without_a_number(monkeypatch):
