@@ -123,8 +123,19 @@ def test_bad_mistakes_are_refused(mistakes, match):
 def test_a_prediction_that_is_not_a_number_is_refused(predicted):
     with pytest.raises(ValueError, match="must be a plain number"):
         check_prediction("peak", predicted, MiB)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), True, [5]])
+def test_require_prediction_refuses_what_is_neither_a_number_nor_a_name(value):
     with pytest.raises(ValueError, match="must be a plain number"):
-        require_prediction(predicted, "peak")
+        require_prediction(value, "peak")
+
+
+def test_require_prediction_passes_a_choice_by_name(monkeypatch):
+    monkeypatch.delenv(AUTORUN_ENV, raising=False)
+    assert require_prediction("selective", "the cheapest policy") == "selective"  # lesson 05's choice
+    with pytest.raises(ValueError, match="non-empty name"):
+        require_prediction("  ", "the cheapest policy")
 
 
 @pytest.mark.parametrize("tolerance", [-0.1, 1.0, "0.1"])

@@ -119,10 +119,15 @@ def require_prediction(value, name: str):
 
     Call it at the top of the cell that would reveal the answer. In a notebook run cell by cell or with "Run All",
     a None raises :class:`PredictionNeeded` (the run stops; the learner reads :data:`STOP_TEXT`); in an unattended
-    run (:func:`autorun`) it does nothing. A value that is not a finite number is a ValueError.
+    run (:func:`autorun`) it does nothing. ``value`` is a number (a finite one) or, for an exercise that asks for a
+    choice, a non-empty name; anything else is a ValueError.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be the exercise's name (a non-empty string), got {name!r}")
+    if isinstance(value, str):  # a choice by name (lesson 05's policy): any non-empty name, checked by its exercise
+        if not value.strip():
+            raise ValueError(f"the choice for {name!r} must be a non-empty name (or None), got {value!r}")
+        return value
     value = _prediction(value, name)
     if value is None and not autorun():
         raise PredictionNeeded(f"{name}: {STOP_TEXT}.")
