@@ -3,7 +3,8 @@
 ``python -m anatomy_helpers predict ...``: dry-run two steps of a configuration and say whether it fits on a GPU
 (which phase of which step runs out first), without running it (notebook 06; ``--json`` for a machine-readable
 answer, ``--fix`` for the ranked candidate fixes). ``predict --hf MODEL ...``: the same for a Hugging Face
-model's fine-tune (cli_hf.py).
+model's fine-tune (cli_hf.py). ``python -m anatomy_helpers explain FILE``: a CUDA memory snapshot or a
+torch.profiler trace of the learner's own script, in the course's terms (cli/explain.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..prediction.fixes import cheapest_fix
 from ..training.train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
 from ..ui.plots import plot_timeline
 from .common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit, seed_arg
+from .explain import explain_main
 from .hf import hf_predict_main
 
 
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["predict"]:
         return predict_main(argv[1:])
+    if argv[:1] == ["explain"]:
+        return explain_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
