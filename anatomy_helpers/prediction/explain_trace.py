@@ -74,17 +74,15 @@ def trace_events(trace: dict, source: str = "<trace>") -> MemoryEvents:
         raise RecordingError(
             f"{source}: a chrome trace whose events lack a field ({e!r}); not torch's format"
         ) from None
-    opt = [
-        (s, e)
-        for c, n, s, e in ranges
-        if n.startswith("Optimizer.step#") or (c == "user_annotation" and n == "optimizer")
-    ]
-    zero = [(s, e) for c, n, s, e in ranges if n.startswith("Optimizer.zero_grad#")]
-    bwd = [(s, e) for c, n, s, e in ranges if n.startswith("autograd::engine::evaluate_function")
-           or ann(c, n, "backward")]  # fmt: skip
-    fwd = [
-        (s, e) for c, n, s, e in ranges if n.startswith("nn.Module: ") or (c == "user_annotation" and n == "forward")
-    ]
+
+    def within(*prefixes: str, label: str) -> list[tuple[float, float]]:
+        """The ranges whose name starts with one of ``prefixes``, and the record_function ranges called ``label``."""
+        return [(s, e) for c, n, s, e in ranges if n.startswith(prefixes) or (c == "user_annotation" and n == label)]
+
+    opt = within("Optimizer.step#", label="optimizer")
+    zero = within("Optimizer.zero_grad#", label="zero_grad")
+    bwd = within("autograd::engine::evaluate_function", label="backward")
+    fwd = within("nn.Module: ", label="forward")
     notes = []
     if not fwd:
         fwd = [(s, e) for c, n, s, e in ranges if c == "cpu_op"]
