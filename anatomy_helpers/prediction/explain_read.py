@@ -248,7 +248,8 @@ def _snapshot_rows(trace: list, segs: list, source: str) -> MemoryEvents:
         if frames and label == IDLE:
             cut_unlabelled += len(frames) == deepest
     live = [b for s in segs for b in s["blocks"] if b["state"].startswith("active")]
-    alive_before = [b["size"] for b in live if b["address"] not in allocated_addrs]
+    # requested sizes, as the events record them (a block's "size" is rounded up by the allocator)
+    alive_before = [b.get("requested_size") or b["size"] for b in live if b["address"] not in allocated_addrs]
     reserved_end = sum(s["total_size"] for s in segs)
     reserved0 = reserved_end - seg_delta
     notes = []

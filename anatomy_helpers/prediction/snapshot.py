@@ -52,11 +52,12 @@ class _RecordingSim(CachingAllocatorSim):
         b = self._live[key]
         self.requested[key] = nbytes
         addr = self.address[b.segment.id] + b.offset
-        self.events.append({"action": "alloc", "addr": addr, "size": b.size, "stream": 0, "frames": self._frames(key)})
+        # torch's trace records what was asked for (record_trace(ALLOC, ptr, orig_size) in CUDACachingAllocator.cpp)
+        self.events.append({"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "frames": self._frames(key)})
 
     def free(self, key: int) -> None:
         b = self._live[key]
-        addr, size = self.address[b.segment.id] + b.offset, b.size
+        addr, size = self.address[b.segment.id] + b.offset, self.requested[key]
         super().free(key)
         for action in ("free_requested", "free_completed"):
             self.events.append({"action": action, "addr": addr, "size": size, "stream": 0, "frames": self._frames(key)})

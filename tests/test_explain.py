@@ -1,0 +1,349 @@
+"""explain: a recording of a plain training script in the course's terms (prediction/explain.py).
+
+(a) a simulated snapshot of a tracked trace gives back the trace's phases and categories; (b) the shipped H200
+snapshot gives back what was measured when it was recorded (first_steps.json) and what notebook 07 says of it;
+(c) a CPU profile of a plain loop agrees with the tracker on the same steps (course GPT, a tiny Hugging Face model,
+a small CNN); (d) bad input is refused naming the file, the CLI exits 2.
+"""
+
+import copy
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
+
+from anatomy_helpers import make_model
+from anatomy_helpers.cli.main import main
+from anatomy_helpers.core.units import MiB
+from anatomy_helpers.lessons.lesson07_profiling import GPU_REFERENCE
+from anatomy_helpers.prediction import explain_read
+from anatomy_helpers.prediction.cuda_rules import CUBLAS_WORKSPACE_SM90
+from anatomy_helpers.prediction.explain import (
+    EXPLAIN_CATEGORIES,
+    UNCLASSIFIED,
+    NoStepsError,
+    cut_steps,
+    explain,
+    explain_events,
+)
+from anatomy_helpers.prediction.explain_read import (
+    BWD,
+    FWD,
+    IDLE,
+    OPT,
+    RECOMPUTE,
+    UNKNOWN,
+    ZERO_GRAD,
+    RecordingError,
+    frame_label,
+    snapshot_events,
+)
+from anatomy_helpers.prediction.snapshot import snapshot_from_replay
+from anatomy_helpers.tracking.profiler import quiet_profiler
+from anatomy_helpers.tracking.tracker import StepTracker
+from tests.conftest import SMALL, storage_bytes
+
+TORCH = "/site-packages/torch/"
+
+
+def frame(file, name):
+    return {"filename": file, "name": name, "line": 1}
+
+
+# ---- rules ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "frames, expected",
+    [
+        ([], (UNKNOWN, 0)),
+        ([frame("train.py", "main")], (IDLE, 0)),
+        ([frame(TORCH + "nn/functional.py", "linear"), frame(TORCH + "nn/modules/module.py", "_call_impl")], (FWD, 0)),
+        ([frame(TORCH + "_tensor.py", "backward"), frame("train.py", "main")], (BWD, 0)),
+        ([frame("?", "torch::autograd::Engine::thread_main()")], (BWD, 0)),
+        ([frame(TORCH + "optim/adam.py", "_multi_tensor_adam"), frame("train.py", "main")], (OPT, 0)),
+        ([frame(TORCH + "optim/optimizer.py", "zero_grad")], (OPT, ZERO_GRAD)),
+        (  # checkpointing's recomputation runs module code inside backward
+            [frame(TORCH + "nn/modules/module.py", "_call_impl"), frame(TORCH + "utils/checkpoint.py", "unpack_hook")],
+            (BWD, RECOMPUTE),
+        ),
+    ],
+)
+def test_frame_label(frames, expected):
+    assert frame_label(frames) == expected
+
+
+def test_steps_are_cut_at_each_forward_after_backward_and_data_loading_joins_its_step():
+    labels = np.array([IDLE, FWD, IDLE, BWD, UNKNOWN, OPT, IDLE, IDLE, FWD, BWD, OPT, OPT], dtype=np.int8)
+    step, phase = cut_steps(labels)
+    assert step.tolist() == [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]
+    assert phase.tolist() == [0, 1, 1, 2, 2, 3, 0, 0, 1, 2, 3, 3]  # idle, forward, backward, optimizer
+
+
+# ---- (a) a simulated snapshot of a tracked trace ----------------------------------------------------------------
+
+
+def sim_snapshot(trace):
+    return snapshot_from_replay(trace.allocation_record(), trace=trace, phases=True)
+
+
+def test_a_simulated_snapshot_gives_back_the_traces_phases_and_categories(small_trace, tmp_path):
+    path = tmp_path / "sim.pickle"
+    path.write_bytes(pickle.dumps(sim_snapshot(small_trace)))
+    answer = explain(path, "t4")
+    ex = explain_events(snapshot_events(pickle.loads(path.read_bytes()), str(path)))
+    assert ex.trace.training_steps() == small_trace.training_steps() == [1, 2, 3]
+    rows = {(r.step, r.phase): r for r in answer.phases}
+    for ph in small_trace.phases():
+        if ph.phase == "idle":
+            continue
+        row = rows[ph.step, ph.phase]
+        assert row.peak == ph.peak.bytes  # the tracker's bytes, replayed as requested sizes
+        moved = {c: row.breakdown[c] - ph.peak.breakdown.get(c, 0) for c in EXPLAIN_CATEGORIES}
+        # Lifetimes cannot see one thing the tracker does: a 4-byte scalar made in forward and freed in backward
+        # without autograd saving it (the tracker: temporaries; its lifetime: activations).
+        assert all(abs(v) <= 4 for v in moved.values()) and sum(moved.values()) == 0, (ph.step, ph.phase, moved)
+        assert row.breakdown[UNCLASSIFIED] == 0
+    state_after_1 = small_trace.phase(1, "optimizer").at_end["optimizer_state"]
+    assert [s.state_made for s in answer.steps] == [state_after_1, 0, 0]
+
+
+def test_a_recording_whose_start_fell_out_of_the_ring_buffer_says_so(small_trace):
+    snap = sim_snapshot(small_trace)
+    trace = snap["device_traces"][0]
+    first_fwd_2 = next(i for i, e in enumerate(trace) if e["frames"] and e["frames"][-1]["name"] == "step 2 forward")
+    snap["device_traces"][0] = trace[first_fwd_2 - 40 :]  # as if max_entries had kept only the last events
+    ex = explain_events(snapshot_events(snap, "cut"))
+    assert any("ring buffer" in n for n in ex.events.notes)
+    assert ex.trace.training_steps()[0] == 1  # the first whole step is numbered 1
+    assert ex.trace.timeline.total.min() >= 0
+
+
+# ---- (b) the shipped H200 snapshot ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h200():
+    meta = json.loads(GPU_REFERENCE.with_suffix(".json").read_text())
+    return explain(GPU_REFERENCE, "h200"), meta
+
+
+def test_the_h200_snapshot_steps_and_reserved_memory_are_what_torch_measured(h200):
+    answer, meta = h200
+    assert [s.step for s in answer.steps] == [p["step"] for p in meta["peaks"]] == [1, 2, 3]
+    for s, p in zip(answer.steps, meta["peaks"]):
+        assert s.peak_phase == "backward"
+        assert s.reserved_max == p["max_reserved"]  # torch.cuda.max_memory_reserved, recorded per step
+        # the events record requested bytes; max_memory_allocated counts whole blocks (512-byte rounding and
+        # large blocks left unsplit): a few MiB more, never less
+        assert p["max_allocated"] - 4 * MiB <= s.peak <= p["max_allocated"]
+    growth = [s.reserved_growth for s in answer.steps]
+    assert growth[0] > growth[1] > 0 == growth[2]  # segments: most in step 1, some in step 2, none after
+
+
+def test_the_h200_snapshot_categories(h200):
+    answer, _ = h200
+    model = make_model()  # the recorded model: make_model() defaults (first_steps.json)
+    params = storage_bytes(model.parameters())
+    buffers = storage_bytes(model.buffers())
+    peak = answer.peak
+    assert peak.breakdown["parameters"] == params + buffers  # alive before the recording began
+    assert [s.state_made for s in answer.steps] == [2 * params, 0, 0]  # AdamW's two moments, made in step 1
+    # notebook 07: "64 MiB of that are the two cuBLAS workspaces, 32 MiB each on this compute capability (9.0),
+    # one for the forward's thread and one for autograd's backward thread"
+    workspaces = {why: b for why, b in answer.unclassified_at_peak.items() if "cuBLAS workspace" in why}
+    assert sorted(workspaces.values()) == [CUBLAS_WORKSPACE_SM90] * 2
+    assert {"forward" in w for w in workspaces} == {True, False}
+    assert answer.runs_out_first.step == 2 and answer.fits and answer.dominant == "activations"
+    assert any(name.startswith("checkpoint") for name, _, _ in answer.levers)
+
+
+# ---- (c) a CPU profile of a plain loop against the tracker ------------------------------------------------------
+
+
+def plain_loop(model, opt, make_batch, loss_fn, steps=2):
+    """A training loop with no course code in it."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x, y = make_batch(gen)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def profiled_and_tracked(model, make_batch, loss_fn, tmp_path):
+    """(explained profile, tracker trace) of two steps of the same loop on two copies of ``model``."""
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+        plain_loop(model, opt, make_batch, loss_fn)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    opt2 = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    with StepTracker(twin, opt2) as tracker:
+        plain_loop(twin, opt2, make_batch, loss_fn)
+    return explain(tmp_path / "trace.json"), tracker.trace
+
+
+# What the two may differ by, per phase peak (bytes): scalars of a few bytes that the tracker does not count or
+# files elsewhere (Adam's step counters, saved scalars), and which moment of a flat stretch is the peak.
+TOLERANCE = 1024
+
+
+def agreement(answer, trace):
+    """Per (step, phase): (tracker total minus what was alive before the recording, explained total, the largest
+    per-category difference), temporaries and kernel scratch taken together (the profile has no kernel scratch)."""
+    rows = {}
+    before = sum(trace.baseline.values())
+    for r in answer.phases:
+        pk = trace.phase(r.step, r.phase).peak
+        ours = dict(pk.breakdown, parameters=pk.breakdown["parameters"] - trace.baseline["parameters"])
+        theirs = dict(r.breakdown)
+        for d in (ours, theirs):
+            d["temporaries"] += d.pop("kernel_scratch")
+        diff = {c: theirs[c] - ours.get(c, 0) for c in theirs if theirs[c] != ours.get(c, 0)}
+        rows[r.step, r.phase] = (pk.bytes - before, r.peak, diff)
+    return rows
+
+
+def course_gpt():
+    return make_model(device="cpu", **SMALL), lambda g: (torch.randint(0, 59, (4, 32), generator=g),) * 2
+
+
+def small_cnn():
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    )  # fmt: skip
+    return cnn, lambda g: (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+
+
+def tiny_hf():
+    pytest.importorskip("transformers")
+    from anatomy_helpers.prediction.hf import build_model, hf_config, tiny_config
+
+    torch.manual_seed(0)
+    return build_model(
+        tiny_config(hf_config("qwen2.5-0.5b"))
+    ), lambda g: (torch.randint(0, 256, (2, 16), generator=g),) * 2
+
+
+LOSSES = {
+    "course GPT": (course_gpt, lambda m, x, y: m(x, y)[1]),
+    "small CNN": (small_cnn, lambda m, x, y: nn.functional.cross_entropy(m(x), y)),
+    "tiny Qwen2.5": (tiny_hf, lambda m, x, y: m(input_ids=x, labels=y).loss),
+}
+# Named differences beyond TOLERANCE: (model, category) -> why.
+NAMED = {
+    # convolution_backward's weight gradient is freed inside backward once AccumulateGrad has summed it into a new
+    # .grad: by lifetime a temporary; the tracker (whose dispatch mode makes autograd sum out of place,
+    # tracker.py) files the storage as the gradient
+    ("small CNN", "gradients"): 32 * 16 * 9 * 4 + 32 * 4,
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_cpu_profile_of_a_plain_loop_agrees_with_the_tracker(name, tmp_path, capsys):
+    build, loss_fn = LOSSES[name]
+    model, make_batch = build()
+    answer, trace = profiled_and_tracked(model, make_batch, loss_fn, tmp_path)
+    assert [s.step for s in answer.steps] == trace.training_steps() == [1, 2]
+    assert any("before profiling began" in n for n in answer.notes)  # the parameters are not in a CPU profile
+    rows = agreement(answer, trace)
+    with capsys.disabled():
+        for (s, ph), (ours, theirs, diff) in rows.items():
+            print(f"\n{name:13s} {s} {ph:9s} tracker {ours:>10,} explained {theirs:>10,} {diff}", end="")
+    for (s, ph), (ours, theirs, diff) in rows.items():
+        assert abs(theirs - ours) <= TOLERANCE, (s, ph)
+        for cat, d in diff.items():
+            named = NAMED.get((name, cat)) or NAMED.get((name, "gradients" if cat == "temporaries" else cat))
+            assert abs(d) <= TOLERANCE or (named is not None and abs(d) == named), (s, ph, cat, d)
+
+
+# ---- (d) bad input ----------------------------------------------------------------------------------------------
+
+
+def write(tmp_path, name, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+class Boom:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("empty.pickle", b"", "empty"),
+        ("notes.txt", b"hello", "neither a memory snapshot"),
+        ("list.pickle", pickle.dumps([1, 2, 3]), "not a memory snapshot"),
+        ("code.pickle", pickle.dumps(Boom()), "holds no classes"),
+        ("notrace.pickle", pickle.dumps({"segments": [], "device_traces": [[]]}), "without a trace"),
+        (
+            "half.pickle",
+            pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc"}] * 50]})[:-30],
+            "truncated",
+        ),
+        ("timeline.json", json.dumps([[1, 2], [[0] * 9] * 2]).encode(), "no phases"),
+        ("other.json", b'{"a": 1}', "neither a chrome trace"),
+        ("cut.json", b'{"traceEvents": [', "truncated"),
+        (
+            "nomem.json",
+            json.dumps({"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1}]}).encode(),
+            "profile_memory",
+        ),
+    ],
+)
+def test_bad_files_are_refused_naming_the_file(tmp_path, name, data, message, capsys):
+    path = write(tmp_path, name, data)
+    with pytest.raises(RecordingError, match=message) as e:
+        explain(path)
+    assert str(path) in str(e.value)
+    assert "this must never run" not in capsys.readouterr().out
+
+
+def test_a_recording_without_a_training_step_is_refused(small_trace, tmp_path):
+    snap = sim_snapshot(small_trace)
+    snap["device_traces"][0] = [e for e in snap["device_traces"][0] if "forward" in e["frames"][-1]["name"]]
+    path = write(tmp_path, "inference.pickle", pickle.dumps(snap))
+    with pytest.raises(NoStepsError, match="no training step") as e:
+        explain(path)
+    assert str(path) in str(e.value)
+
+
+def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    path = write(tmp_path, "big.pickle", b"\x80" + bytes(4096))
+    monkeypatch.setattr(explain_read, "MAX_FILE_BYTES", 1024)
+    monkeypatch.setattr(type(path), "read_bytes", lambda self: pytest.fail("read a file over the limit"))
+    with pytest.raises(RecordingError, match="more than explain reads"):
+        explain(path)
+
+
+# ---- the CLI ----------------------------------------------------------------------------------------------------
+
+
+def test_cli_explains_the_h200_snapshot_as_text_and_json(capsys):
+    assert main(["explain", str(GPU_REFERENCE), "--device", "h200"]) == 0
+    text = capsys.readouterr().out
+    assert "step 1: peak" in text and "optimizer state" in text and "runs out first" in text
+    assert main(["explain", str(GPU_REFERENCE), "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in answer["steps"]] == [1, 2, 3] and answer["device"] == "T4"
+    assert answer["runs_out_first"]["fits"] is True
+
+
+@pytest.mark.parametrize("args, message", [(["nowhere.pickle"], "no such file"), (["--device", "x1"], "device")])
+def test_cli_bad_input_exits_2_with_a_message_and_no_traceback(args, message, capsys):
+    argv = ["explain", *(args if args[0] != "--device" else [str(GPU_REFERENCE), *args])]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
