@@ -7,6 +7,7 @@ a small CNN); (d) bad input is refused naming the file, the CLI exits 2.
 """
 
 import copy
+import dataclasses
 import json
 import pickle
 
@@ -347,3 +348,32 @@ def test_cli_bad_input_exits_2_with_a_message_and_no_traceback(args, message, ca
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+# ---- scripts/explain_check.py's checks, on the shipped real snapshot -----------------------------------------------
+
+
+def load_script(name):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_checks_pass_on_the_h200_snapshot_and_catch_a_wrong_figure(h200):
+    answer, meta = h200
+    model = make_model()
+    params = storage_bytes(model.parameters())
+    meta = dict(meta, param_bytes=params)
+    mine = dict(answer.peak.breakdown, parameters=params)  # the plain script's model has no buffers
+    answer = dataclasses.replace(answer, peak=dataclasses.replace(answer.peak, breakdown=mine))
+    explain_check = load_script("explain_check")
+    assert explain_check.check(answer, meta) == []
+    wrong = dict(meta, peaks=[dict(p, max_reserved=p["max_reserved"] + 512) for p in meta["peaks"]])
+    assert len(explain_check.check(answer, wrong)) == 3
+    assert explain_check.check(answer, dict(meta, param_bytes=params + 4))  # parameters and the state both differ
