@@ -377,3 +377,14 @@ def test_the_gpu_checks_pass_on_the_h200_snapshot_and_catch_a_wrong_figure(h200)
     wrong = dict(meta, peaks=[dict(p, max_reserved=p["max_reserved"] + 512) for p in meta["peaks"]])
     assert len(explain_check.check(answer, wrong)) == 3
     assert explain_check.check(answer, dict(meta, param_bytes=params + 4))  # parameters and the state both differ
+
+
+def test_the_figure_draws_the_categories_the_unclassified_bytes_and_reserved(h200):
+    from anatomy_helpers.ui.explain_plot import plot_explained
+
+    ex = explain_events(snapshot_events(pickle.loads(GPU_REFERENCE.read_bytes()), "h200"))
+    ax = plot_explained(ex).axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert {"parameters", "optimizer state", "activations", UNCLASSIFIED, "reserved"} <= set(labels)
+    reserved = next(line for line in ax.get_lines() if line.get_label() == "reserved")
+    assert reserved.get_ydata().max() == pytest.approx(ex.trace.timeline.cuda_reserved.max() / MiB)

@@ -211,6 +211,7 @@ def _snapshot_rows(trace: list, segs: list, source: str) -> MemoryEvents:
     reserved_after: list[int] = []
     deepest = 0
     cut_unlabelled = 0
+    no_stack = 0
     for e in trace:
         action = e["action"]
         if action in ("segment_alloc", "segment_map"):
@@ -248,6 +249,7 @@ def _snapshot_rows(trace: list, segs: list, source: str) -> MemoryEvents:
         reserved_after.append(seg_delta)
         if frames and label == IDLE:
             cut_unlabelled += len(frames) == deepest
+        no_stack += not frames
     live = [b for s in segs for b in s["blocks"] if b["state"].startswith("active")]
     # requested sizes, as the events record them (a block's "size" is rounded up by the allocator)
     alive_before = [b.get("requested_size") or b["size"] for b in live if b["address"] not in allocated_addrs]
@@ -261,7 +263,12 @@ def _snapshot_rows(trace: list, segs: list, source: str) -> MemoryEvents:
         )
     if not deepest:
         notes.append("no event has a stack: record with stacks='python' or 'all' for phases")
-    elif cut_unlabelled and not is_sim:
+    elif no_stack and not is_sim:
+        notes.append(
+            f"{no_stack:,} events have no stack (with stacks='python', the work autograd runs on its own device "
+            "thread in backward has no Python frames): each takes the phase of the events before it"
+        )
+    if deepest and cut_unlabelled and not is_sim:
         notes.append(
             f"{cut_unlabelled} events whose stack stops at {deepest} frames without a module, autograd or optimizer "
             "frame: their phase is the one of the events around them (more frames would tell)"
