@@ -249,16 +249,13 @@ NAMED = {
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_a_cpu_profile_of_a_plain_loop_agrees_with_the_tracker(name, tmp_path, capsys):
+def test_a_cpu_profile_of_a_plain_loop_agrees_with_the_tracker(name, tmp_path):
     build, loss_fn = LOSSES[name]
     model, make_batch = build()
     answer, trace = profiled_and_tracked(model, make_batch, loss_fn, tmp_path)
     assert [s.step for s in answer.steps] == trace.training_steps() == [1, 2]
     assert any("before profiling began" in n for n in answer.notes)  # the parameters are not in a CPU profile
     rows = agreement(answer, trace)
-    with capsys.disabled():
-        for (s, ph), (ours, theirs, diff) in rows.items():
-            print(f"\n{name:13s} {s} {ph:9s} tracker {ours:>10,} explained {theirs:>10,} {diff}", end="")
     for (s, ph), (ours, theirs, diff) in rows.items():
         assert abs(theirs - ours) <= TOLERANCE, (s, ph)
         for cat, d in diff.items():
@@ -388,3 +385,18 @@ def test_the_figure_draws_the_categories_the_unclassified_bytes_and_reserved(h20
     assert {"parameters", "optimizer state", "activations", UNCLASSIFIED, "reserved"} <= set(labels)
     reserved = next(line for line in ax.get_lines() if line.get_label() == "reserved")
     assert reserved.get_ydata().max() == pytest.approx(ex.trace.timeline.cuda_reserved.max() / MiB)
+
+
+def test_the_lesson_drafts_cells_run_in_order_and_their_asserts_hold(tmp_path, monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    md = (Path(__file__).resolve().parent.parent / "docs" / "your_own_run.md").read_text()
+    cells = re.findall(r"```python\n(.*?)```", md, re.S)
+    assert len(cells) >= 5
+    monkeypatch.chdir(tmp_path)  # the draft writes my_run.json where it runs
+    namespace: dict = {}
+    with quiet_profiler():
+        for cell in cells:
+            exec(compile(cell, "docs/your_own_run.md", "exec"), namespace)  # noqa: S102 (the draft's own cells)
+    assert "runs out first" in capsys.readouterr().out
