@@ -8,7 +8,8 @@ most reserved memory equal to ``torch.cuda.max_memory_reserved`` of that step; e
 ``max_memory_allocated`` and within 5 % of it (the snapshot's events record the bytes asked for; the allocator
 counts whole blocks, rounded up); the parameters alive at the peak equal to the model's parameter bytes; AdamW's two
 moments (twice the parameter bytes) made in step 1 and in no later step; a cuBLAS workspace among the unclassified
-bytes. Prints each answer; exits 1 if a check fails, 2 without CUDA. scripts/gpu_check.py runs it.
+bytes. Then a torch.profiler chrome trace of the same steps: the steps found, AdamW's state made in step 1 alone.
+Prints each answer; exits 1 if a check fails, 2 without CUDA. scripts/gpu_check.py runs it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,18 @@ def check(answer, meta) -> list[str]:
     return failed
 
 
+def check_trace(answer, meta) -> list[str]:
+    """The failed checks of a CUDA profile's answer: the steps, and AdamW's state made in step 1 alone (within 1 %:
+    the profiler reports the allocator's rounded block sizes)."""
+    steps = [s.step for s in answer.steps]
+    if steps != list(range(1, STEPS + 1)):
+        return [f"steps found {steps}, expected 1..{STEPS}"]
+    made, state = [s.state_made for s in answer.steps], 2 * meta["param_bytes"]
+    if not (abs(made[0] - state) <= 0.01 * state and not any(made[1:])):
+        return [f"optimizer state made per step {made}, expected about [{state:,}, 0, ...]"]
+    return []
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "gpu_check_out", help="where the snapshots go")
@@ -73,6 +86,14 @@ def main() -> int:
         answer = explain(path, "this GPU")
         print(f"\n--- stacks={stacks}\n{answer.table()}")
         failed += [f"stacks={stacks}: {f}" for f in check(answer, meta)]
+    # A torch.profiler chrome trace of the same steps (CUDA memory events): the steps and AdamW's state.
+    path, trace = args.out / "plain_training_trace.pickle", args.out / "plain_training_trace.json"
+    script = [sys.executable, str(ROOT / "scripts" / "plain_training.py"), str(path), "--steps", str(STEPS)]
+    subprocess.run([*script, "--trace", str(trace)], check=True)
+    meta = json.loads(path.with_suffix(".json").read_text())
+    answer = explain(trace, "this GPU")
+    print(f"\n--- torch.profiler trace\n{answer.table()}")
+    failed += [f"profiler trace: {f}" for f in check_trace(answer, meta)]
     print("\n" + ("\n".join(f"FAIL {f}" for f in failed) or "every check passed"))
     return 1 if failed else 0
 

@@ -400,3 +400,39 @@ def test_the_lesson_drafts_cells_run_in_order_and_their_asserts_hold(tmp_path, m
         for cell in cells:
             exec(compile(cell, "docs/your_own_run.md", "exec"), namespace)  # noqa: S102 (the draft's own cells)
     assert "runs out first" in capsys.readouterr().out
+
+
+def test_a_cuda_profile_by_hand_sum_before_unclassified_reserved_from_the_trace(tmp_path):
+    """A chrome trace written by hand as torch.profiler writes one on a GPU: two steps; each memory event names its
+    address, bytes and the allocator's totals (the first event's Total Allocated minus its Bytes: alive before)."""
+    phases = (
+        ("nn.Module: Sequential_0", 10, 20),
+        ("autograd::engine::evaluate_function: MmBackward0", 30, 40),
+        ("Optimizer.step#AdamW.step", 50, 60),
+        ("Optimizer.zero_grad#AdamW.zero_grad", 61, 62),
+    )  # forward (a module), backward (autograd's ops), the optimizer's step, zero_grad
+    ranges = [
+        {"ph": "X", "cat": "cpu_op", "name": n, "ts": t0 + a, "dur": b - a} for t0 in (0, 100) for n, a, b in phases
+    ]
+    before, mib = 5000, 2**20
+    moves = [  # (time, address, bytes): + allocated, - freed
+        (11, 1, 1000), (15, 2, 100), (16, 2, -100), (31, 1, -1000), (32, 3, 400),  # activation, temporary, gradient
+        (51, 4, 800), (52, 5, 50), (53, 5, -50), (61.5, 3, -400),  # AdamW's state, a temporary, zero_grad
+        (111, 6, 1000), (131, 6, -1000), (132, 7, 400), (152, 8, 50), (153, 8, -50), (161.5, 7, -400),
+    ]  # fmt: skip
+    total, memory = before, []
+    for t, addr, nbytes in moves:
+        total += nbytes
+        reserved = 4 * mib if t > 50 else 2 * mib
+        args = {"Addr": addr, "Bytes": nbytes, "Total Allocated": total, "Total Reserved": reserved, "Device Type": 1}
+        memory.append({"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "ts": t, "args": args})
+    path = write(tmp_path, "cuda.json", json.dumps({"traceEvents": ranges + memory}).encode())
+    answer = explain(path)
+    assert [(s.step, s.state_made, s.reserved_max) for s in answer.steps] == [(1, 800, 4 * mib), (2, 0, 4 * mib)]
+    rows = {(r.step, r.phase): r for r in answer.phases}
+    one = rows[1, "forward"].breakdown
+    assert (one["activations"], one["temporaries"], one[UNCLASSIFIED]) == (1000, 100, before)
+    opt = rows[1, "optimizer"].breakdown
+    assert (opt["optimizer_state"], opt["gradients"], opt["temporaries"], opt["parameters"]) == (800, 400, 50, 0)
+    assert rows[2, "forward"].peak == before + 800 + 1000
+    assert any("a profile gives only their sum" in why for why in answer.unclassified_at_peak)

@@ -17,7 +17,8 @@ From the recording (:mod:`anatomy_helpers.prediction.explain_read`) to the answe
    * alive before the recording began and still alive at its end: **parameters**, when the recording saw the
      optimizer's first step make its state; otherwise **unclassified** (parameters and earlier steps' optimizer
      state cannot be told apart). *Heuristic*: anything else the script put on the device before (a dataset)
-     counts as parameters;
+     counts as parameters. A CUDA profile gives only the sum of what was alive before it: **unclassified**;
+     a CPU profile does not see it at all;
    * made outside the step's code (data loading): **inputs**; made while a module is built: **parameters**;
    * made in forward, freed in the same step's backward: **activations**; freed in forward: **temporaries**;
      kept past backward (the loss, outputs the script holds): **temporaries**; never freed although later steps
@@ -187,6 +188,11 @@ def classify(ev: MemoryEvents, step: np.ndarray, phase: np.ndarray) -> Lifetimes
                 cat[k] = _CAT["gradients"]
             else:
                 reason[k] = f"alive before the recording began, freed in step {st[j]}'s {PHASES[ph[j]]}"
+        elif ev.before_is_a_sum:
+            reason[k] = (
+                "alive before the profile began: parameters and whatever else the process held (a library's "
+                "workspaces, earlier steps' state); a profile gives only their sum"
+            )
         elif made_state and _state_in(cat, alloc, st, first):
             cat[k] = _CAT["parameters"]
             param_sizes.add(b)

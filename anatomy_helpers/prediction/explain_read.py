@@ -70,6 +70,7 @@ class MemoryEvents:
     reserved: np.ndarray | None
     alive_before: list[int]
     before_seen: bool
+    before_is_a_sum: bool = False  # alive_before is one sum (a CUDA profile's), not the blocks one by one
     notes: list[str] = field(default_factory=list)
     oom_rows: list[int] = field(default_factory=list)  # rows just after an ``oom`` event
 

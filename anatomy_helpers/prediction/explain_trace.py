@@ -110,5 +110,6 @@ def trace_events(trace: dict, source: str = "<trace>") -> MemoryEvents:
         reserved=reserved if gpu else None,
         alive_before=[before] if before > 0 else [],
         before_seen=gpu,
+        before_is_a_sum=True,
         notes=notes,
     )
