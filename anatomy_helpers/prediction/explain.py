@@ -180,6 +180,7 @@ def classify(ev: MemoryEvents, step: np.ndarray, phase: np.ndarray) -> Lifetimes
                 cat[k] = _CAT["optimizer_state"]
                 made_state = True
     first = min((st[i] for i in alloc if i >= 0 and st[i] > 0), default=1)
+    saw_first_state = made_state and _state_in(cat, alloc, st, first)
     for k, (i, j, b) in enumerate(zip(alloc, free, size)):
         if i >= 0:
             continue
@@ -193,13 +194,14 @@ def classify(ev: MemoryEvents, step: np.ndarray, phase: np.ndarray) -> Lifetimes
                 "alive before the profile began: parameters and whatever else the process held (a library's "
                 "workspaces, earlier steps' state); a profile gives only their sum"
             )
-        elif made_state and _state_in(cat, alloc, st, first):
+        elif saw_first_state:
             cat[k] = _CAT["parameters"]
             param_sizes.add(b)
         else:
             reason[k] = (
                 "alive before the recording began: parameters, and optimizer state from steps before it, which "
-                "lifetimes cannot tell apart (the recording does not show the optimizer's first step)"
+                "lifetimes cannot tell apart (the recording's first step makes no optimizer state: it began after the "
+                "optimizer's first step, or the optimizer keeps none, as SGD without momentum)"
             )
     for k, (i, j, b) in enumerate(zip(alloc, free, size)):
         if i < 0 or ph[i] != _BWD:
@@ -285,7 +287,8 @@ def explain_events(ev: MemoryEvents) -> Explained:
     key = step * len(PHASES) + phase
     changes = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
     marks = [PhaseMark(int(i), float(tl.time_s[i]), int(step[i]), PHASES[phase[i]]) for i in changes]
-    return Explained(ev, Trace.from_samples(tl, marks, device="cuda"), nbytes[:, _U].copy(), lt)
+    device = "cpu" if ev.reserved is None else "cuda"  # only a CUDA recording has the allocator's reserved bytes
+    return Explained(ev, Trace.from_samples(tl, marks, device=device), nbytes[:, _U].copy(), lt)
 
 
 def _label_counts(ev: MemoryEvents) -> str:
@@ -430,7 +433,10 @@ def explain_recording(ex: Explained, device: str | int | Device = DEFAULT_GPU) -
         top = max(mine, key=lambda r: r.peak)
         w = tr.window(step=s)
         res_max = None if reserved is None else int(reserved[w].max())
-        growth = None if reserved is None else int(reserved[w[-1]] - (reserved[w[0] - 1] if w[0] else reserved[0]))
+        start = ex.events.reserved_before if w[0] == 0 else None
+        if reserved is not None and start is None:
+            start = reserved[w[0] - 1] if w[0] else reserved[0]
+        growth = None if reserved is None else int(reserved[w[-1]] - start)
         made_here = int(ex.lifetimes.size[state][(made >= 0) & (tl.step[np.maximum(made, 0)] == s)].sum())
         steps.append(StepRow(s, top.peak, top.phase, res_max, growth, made_here))
     peak = max(rows, key=lambda r: r.peak)

@@ -70,6 +70,7 @@ class MemoryEvents:
     reserved: np.ndarray | None
     alive_before: list[int]
     before_seen: bool
+    reserved_before: int | None = None  # the allocator's reserved bytes when the recording began
     before_is_a_sum: bool = False  # alive_before is one sum (a CUDA profile's), not the blocks one by one
     notes: list[str] = field(default_factory=list)
     oom_rows: list[int] = field(default_factory=list)  # rows just after an ``oom`` event
@@ -283,6 +284,7 @@ def _snapshot_rows(trace: list, segs: list, source: str) -> MemoryEvents:
         label=np.asarray(labels, dtype=np.int8),
         flags=np.asarray(flags, dtype=np.int8),
         reserved=reserved0 + np.asarray(reserved_after, dtype=np.int64),
+        reserved_before=reserved0,
         alive_before=alive_before,
         before_seen=True,
         notes=notes,
