@@ -40,8 +40,8 @@ LABELS = ("no stack", "outside the step's code", "forward", "backward", "optimiz
 ZERO_GRAD, RECOMPUTE, MODULE_INIT = 1, 2, 4
 
 #: The largest file explain reads (bytes): a snapshot pickle is unpickled whole, and its Python objects take about
-#: ten times the file's size in memory. benchmarks/explain_speed.py measured 117 MB (564,000 events) in 13 s and
-#: 1.3 GiB of memory on two busy cores (December 2026): this limit is about a minute and 6 GiB.
+#: ten times the file's size in memory. benchmarks/explain_speed.py measured 117 MB (564,000 events) in 13-17 s
+#: and 1.3 GiB of memory on two busy cores (December 2026): this limit is about a minute and 6 GiB.
 MAX_FILE_BYTES = 512 << 20
 
 
