@@ -406,14 +406,14 @@ def test_a_cuda_profile_by_hand_sum_before_unclassified_reserved_from_the_trace(
     """A chrome trace written by hand as torch.profiler writes one on a GPU: two steps; each memory event names its
     address, bytes and the allocator's totals (the first event's Total Allocated minus its Bytes: alive before)."""
     phases = (
-        ("nn.Module: Sequential_0", 10, 20),
-        ("autograd::engine::evaluate_function: MmBackward0", 30, 40),
-        ("Optimizer.step#AdamW.step", 50, 60),
-        ("Optimizer.zero_grad#AdamW.zero_grad", 61, 62),
+        ("python_function", "nn.Module: Sequential_0", 10, 20),
+        ("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 30, 40),
+        ("user_annotation", "Optimizer.step#AdamW.step", 50, 60),
+        ("user_annotation", "Optimizer.zero_grad#AdamW.zero_grad", 61, 62),
     )  # forward (a module), backward (autograd's ops), the optimizer's step, zero_grad
-    ranges = [
-        {"ph": "X", "cat": "cpu_op", "name": n, "ts": t0 + a, "dur": b - a} for t0 in (0, 100) for n, a, b in phases
-    ]
+    ranges = [{"ph": "X", "cat": c, "name": n, "ts": t0 + a, "dur": b - a} for t0 in (0, 100) for c, n, a, b in phases]
+    # the GPU's copy of step 1's optimizer range, run late on the device: it overlaps step 2's forward on the host
+    ranges.append({"ph": "X", "cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 105, "dur": 20})
     before, mib = 5000, 2**20
     moves = [  # (time, address, bytes): + allocated, - freed
         (11, 1, 1000), (15, 2, 100), (16, 2, -100), (31, 1, -1000), (32, 3, 400),  # activation, temporary, gradient

@@ -26,6 +26,8 @@ import numpy as np
 from .explain_read import BWD, FWD, IDLE, OPT, ZERO_GRAD, MemoryEvents, RecordingError
 
 CPU, CUDA = 0, 1
+#: The categories of the host's ranges in a chrome trace: ops, record_function labels, Python functions.
+HOST = ("cpu_op", "user_annotation", "python_function")
 
 
 def _merged(spans: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -58,8 +60,9 @@ def trace_events(trace: dict, source: str = "<trace>") -> MemoryEvents:
     try:
         events = [e for e in trace["traceEvents"] if isinstance(e, dict)]
         mem = [e for e in events if e.get("name") == "[memory]"]
+        # the host's ranges only: a GPU's copies of them (gpu_user_annotation, kernels) run later, on its own clock
         ranges = [(e.get("cat"), e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-                  if e.get("ph") == "X" and "ts" in e]  # fmt: skip
+                  if e.get("ph") == "X" and "ts" in e and e.get("cat") in HOST]  # fmt: skip
         if not mem:
             raise RecordingError(f"{source}: a chrome trace without [memory] events: profile with profile_memory=True")
         on_gpu = [e for e in mem if e["args"].get("Device Type") == CUDA]
