@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m anatomy_helpers",
         description="Track N training steps of the course's toy transformer and print where the memory went "
         "(a phase x category table in MiB, the peak and the module it happened in), then save the timeline plot.",
+        epilog="Other commands: 'predict' (will a configuration fit on a GPU, without running it: predict --help) "
+        "and 'explain FILE' (a memory snapshot or profiler trace of your own script: explain --help).",
     )
     _add_step_options(p)
     p.add_argument("--steps", type=positive_int_arg, default=3, help="training steps to track (default: 3)")
