@@ -8,6 +8,7 @@ a small CNN); (d) bad input is refused naming the file, the CLI exits 2.
 
 import copy
 import dataclasses
+import gzip
 import json
 import pickle
 
@@ -436,3 +437,5 @@ def test_a_cuda_profile_by_hand_sum_before_unclassified_reserved_from_the_trace(
     assert (opt["optimizer_state"], opt["gradients"], opt["temporaries"], opt["parameters"]) == (800, 400, 50, 0)
     assert rows[2, "forward"].peak == before + 800 + 1000
     assert any("a profile gives only their sum" in why for why in answer.unclassified_at_peak)
+    gz = write(tmp_path, "cuda.json.gz", gzip.compress(path.read_bytes()))  # export_chrome_trace("....json.gz")
+    assert explain(gz).to_dict()["phases"] == answer.to_dict()["phases"]
