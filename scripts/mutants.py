@@ -778,6 +778,13 @@ MUTANTS = [
         ("tests/test_explain.py::test_a_simulated_snapshot_gives_back_the_traces_phases_and_categories",),
     ),
     Mutant(
+        "explain.trace-phases-from-gpu-ranges-too",
+        "prediction/explain_trace.py",
+        'and "ts" in e and e.get("cat") in HOST]',
+        'and "ts" in e]',
+        ("tests/test_explain.py::test_a_cuda_profile_by_hand_sum_before_unclassified_reserved_from_the_trace",),
+    ),
+    Mutant(
         "explain.reserved-from-zero",
         "prediction/explain_read.py",
         "reserved=reserved0 + np.asarray(reserved_after, dtype=np.int64)",

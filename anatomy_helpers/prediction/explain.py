@@ -455,6 +455,10 @@ def explain_recording(ex: Explained, device: str | int | Device = DEFAULT_GPU) -
         )
     if ex.events.oom_rows:
         notes.append(f"the recording holds {len(ex.events.oom_rows)} out-of-memory event(s)")
+    notes.append(
+        f"judged on {dev.name} by the bytes this recording holds: on a GPU other than the one it was recorded on, "
+        "cuBLAS's workspaces, kernels and the allocator's rounding may differ"
+    )
     notes.append("levers are the course catalogue's for its GPT: check that each applies to your model")
     return Explanation(
         ex.events.source, ex.events.kind, dev.name, dev.usable, rows, steps, peak,
