@@ -1,7 +1,8 @@
 """One command for a CUDA machine: prediction rules vs a real step, CUDA-only tests, the CLI and notebooks on the GPU.
 
 First the CUDA rules a prediction applies (anatomy_helpers/prediction/cuda_rules.py) against a real step, phase by
-phase; then the CUDA-only tests, the CLI on the GPU, and every notebook executed on the GPU.
+phase; then the CUDA-only tests, the CLI on the GPU, ``explain`` on a snapshot of a training script with no course code
+in it (scripts/explain_check.py), and every notebook executed on the GPU.
 
     python scripts/gpu_check.py [--out DIR] [--jobs N]
 
@@ -64,6 +65,9 @@ def main() -> int:
         [py, "-m", "anatomy_helpers", "--device", "cuda", "--steps", "3", "--out", str(out / "timeline_cuda.png")],
         results,
     )
+    # A snapshot of a training script with no course code in it, explained and checked against what torch measured
+    # (scripts/explain_check.py: Python stacks, then all stacks).
+    run("explain a plain script's snapshot", [py, "scripts/explain_check.py", "--out", str(out)], results, lines=80)
     env_note = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env_note == "":
         print("warning: CUDA_VISIBLE_DEVICES is empty; notebooks would run on CPU")

@@ -792,6 +792,35 @@ MUTANTS = [
         "with contextlib.nullcontext():",
         ("tests/test_compiled.py::test_the_tracker_leaves_compiling_as_it_found_it",),
     ),
+    # explain (prediction/explain.py): a learner's recording cut into steps and classified from lifetimes.
+    Mutant(
+        "explain.data-loading-stays-in-the-last-step",
+        "prediction/explain.py",
+        "                step[last_busy + 1 : i] = s",
+        "                pass",
+        ("tests/test_explain.py::test_steps_are_cut_at_each_forward_after_backward_and_data_loading_joins_its_step",),
+    ),
+    Mutant(
+        "explain.freed-in-backward-is-a-temporary",
+        "prediction/explain.py",
+        '            if f_same and ph[j] == _BWD:\n                cat[k] = _CAT["activations"]',
+        '            if f_same and ph[j] == _BWD:\n                cat[k] = _CAT["temporaries"]',
+        ("tests/test_explain.py::test_a_simulated_snapshot_gives_back_the_traces_phases_and_categories",),
+    ),
+    Mutant(
+        "explain.trace-phases-from-gpu-ranges-too",
+        "prediction/explain_trace.py",
+        'and "ts" in e and e.get("cat") in HOST]',
+        'and "ts" in e]',
+        ("tests/test_explain.py::test_a_cuda_profile_by_hand_sum_before_unclassified_reserved_from_the_trace",),
+    ),
+    Mutant(
+        "explain.reserved-from-zero",
+        "prediction/explain_read.py",
+        "reserved=reserved0 + np.asarray(reserved_after, dtype=np.int64)",
+        "reserved=np.asarray(reserved_after, dtype=np.int64)",
+        ("tests/test_explain.py::test_the_h200_snapshot_steps_and_reserved_memory_are_what_torch_measured",),
+    ),
 ]
 
 

@@ -3,7 +3,8 @@
 ``python -m anatomy_helpers predict ...``: dry-run two steps of a configuration and say whether it fits on a GPU
 (which phase of which step runs out first), without running it (notebook 06; ``--json`` for a machine-readable
 answer, ``--fix`` for the ranked candidate fixes). ``predict --hf MODEL ...``: the same for a Hugging Face
-model's fine-tune (cli_hf.py).
+model's fine-tune (cli_hf.py). ``python -m anatomy_helpers explain FILE``: a CUDA memory snapshot or a
+torch.profiler trace of the learner's own script, in the course's terms (cli/explain.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .common import (
     print_fit,
     seed_arg,
 )
+from .explain import explain_main
 from .hf import hf_predict_main
 
 
@@ -81,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m anatomy_helpers",
         description="Track N training steps of the course's toy transformer and print where the memory went "
         "(a phase x category table in MiB, the peak and the module it happened in), then save the timeline plot.",
+        epilog="Other commands: 'predict' (will a configuration fit on a GPU, without running it: predict --help) "
+        "and 'explain FILE' (a memory snapshot or profiler trace of your own script: explain --help).",
     )
     _add_step_options(p)
     p.add_argument("--steps", type=positive_int_arg, default=3, help="training steps to track (default: 3)")
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["predict"]:
         return predict_main(argv[1:])
+    if argv[:1] == ["explain"]:
+        return explain_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
-from ..tracking.events import CATEGORIES, AllocationRecord
+from ..tracking.events import CATEGORIES, PHASES, AllocationRecord
 from ..tracking.trace import Trace
-from .allocator import ROUND_LARGE, CachingAllocatorSim, allocator_at
+from .allocator import ROUND_LARGE, CachingAllocatorSim, allocator_at, replay_rows
+
+#: The file name of every frame of a simulated snapshot: no torch code made it.
+SIMULATED = "anatomy_helpers/simulated"
 
 
 class _RecordingSim(CachingAllocatorSim):
@@ -35,7 +38,7 @@ class _RecordingSim(CachingAllocatorSim):
 
     def _frames(self, key: int) -> list[dict]:
         label = self.labels.get(key)
-        return [] if label is None else [{"filename": "anatomy_helpers/simulated", "line": 0, "name": label}]
+        return [] if label is None else [{"filename": SIMULATED, "line": 0, "name": label}]
 
     def _new_segment(self, pool: str, size: int):
         block = super()._new_segment(pool, size)
@@ -49,11 +52,12 @@ class _RecordingSim(CachingAllocatorSim):
         b = self._live[key]
         self.requested[key] = nbytes
         addr = self.address[b.segment.id] + b.offset
-        self.events.append({"action": "alloc", "addr": addr, "size": b.size, "stream": 0, "frames": self._frames(key)})
+        # torch's trace records what was asked for (record_trace(ALLOC, ptr, orig_size) in CUDACachingAllocator.cpp)
+        self.events.append({"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "frames": self._frames(key)})
 
     def free(self, key: int) -> None:
         b = self._live[key]
-        addr, size = self.address[b.segment.id] + b.offset, b.size
+        addr, size = self.address[b.segment.id] + b.offset, self.requested[key]
         super().free(key)
         for action in ("free_requested", "free_completed"):
             self.events.append({"action": action, "addr": addr, "size": size, "stream": 0, "frames": self._frames(key)})
@@ -101,7 +105,11 @@ class _RecordingSim(CachingAllocatorSim):
 
 
 def snapshot_from_replay(
-    record: AllocationRecord, row: int | None = None, trace: Trace | None = None, with_trace: bool = True
+    record: AllocationRecord,
+    row: int | None = None,
+    trace: Trace | None = None,
+    with_trace: bool = True,
+    phases: bool = False,
 ) -> dict:
     """Replay ``record`` (through ``row``; all of it by default) and return the simulated allocator's state
     and history in the format of ``torch.cuda.memory._snapshot()``.
@@ -110,6 +118,10 @@ def snapshot_from_replay(
     summary of the segments), ``_memory_viz.trace(snap)`` (the events as pseudo-code) and
     ``_memory_viz.trace_plot(snap)`` (the HTML viewer of pytorch.org/memory_viz). With ``trace``, each
     block's single "frame" names the module that allocated it and its category.
+
+    ``phases``: as a recording started after the model was built would be: the rows alive when tracking began
+    (the baseline) are blocks alive before the recording (no event), and every event's stack gets a second, outer
+    frame naming the row's step and phase ("step 2 backward"), which ``explain`` reads (prediction/explain.py).
     """
     labels = None
     if trace is not None:
@@ -119,7 +131,24 @@ def snapshot_from_replay(
             for aid in range(len(trace.alloc_category))
         }
     sim = _RecordingSim(labels)
-    allocator_at(record, len(record) - 1 if row is None else row, sim)
+    last = len(record) - 1 if row is None else row
+    if not phases:
+        allocator_at(record, last, sim)
+        return sim.snapshot(with_trace)
+    done = [0]
+
+    def mark(i: int) -> None:  # the events row i made: before the recording (baseline), or in its step and phase
+        new = sim.events[done[0] :]
+        if record.sample[i] < 0:
+            del sim.events[done[0] :]
+            return
+        where = {"filename": SIMULATED, "line": 0, "name": f"step {record.step[i]} {PHASES[record.phase[i]]}"}
+        for e in new:
+            e["frames"] = [*e["frames"], where]
+            e["time_us"] = float(record.time_s[i]) * 1e6
+        done[0] = len(sim.events)
+
+    replay_rows(sim, record, last + 1, on_row=mark)
     return sim.snapshot(with_trace)
 
 
