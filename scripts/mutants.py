@@ -737,7 +737,7 @@ MUTANTS = [
         "prediction/levers.py",
         "flops = math.inf if fix.extra_flops is None else round(fix.extra_flops, 3)",
         "flops = 0 if fix.extra_flops is None else round(fix.extra_flops, 3)",
-        ("tests/test_prediction.py::test_checkpointing_costs_flops_and_fixes_are_ranked",),
+        ("tests/test_prediction.py::test_a_cost_the_flop_counter_cannot_see_ranks_after_every_counted_one",),
     ),
     Mutant(
         "step.cpu-sdpa-flops-not-counted",

@@ -27,7 +27,7 @@ from anatomy_helpers.prediction.dryrun import build_fake_model, course_batch, dr
 from anatomy_helpers.prediction.fit import SIZE_ONLY_RULES, FitRequest, allocator_answer, will_it_fit
 from anatomy_helpers.prediction.fixes import cheapest_fix, fixes_table
 from anatomy_helpers.prediction.flops import config_step_flops
-from anatomy_helpers.prediction.levers import EFFECTS, levers
+from anatomy_helpers.prediction.levers import EFFECTS, Fix, levers, rank_key
 from anatomy_helpers.tracking.tracker import StepTracker
 from anatomy_helpers.training.step import flop_counter, gpt_loss
 from anatomy_helpers.ui.plots import DEVICE_LINE_RANGE, plot_fit
@@ -242,6 +242,16 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
     lines = fixes_table([widest, *fixes]).splitlines()
     starts = {line.index(f.note) for line, f in zip(lines[2:], [widest, *fixes]) if f.note}
     assert starts == {lines[0].index("note")}, lines
+
+
+def test_a_cost_the_flop_counter_cannot_see_ranks_after_every_counted_one():
+    # the ranking rule (prediction/levers.py): an uncounted recompute (selective's element-wise ops) is not free;
+    # of one effect, it ranks after a counted lever however costly, and fitting still ranks first
+    report = will_it_fit(ModelConfig(**SMALL), 4, device=10**12)
+    unseen = Fix("uncounted", report, None, "time only", "")
+    counted = Fix("counted", report, 0.9, "time only", "")
+    free = Fix("free", report, 0.0, "time only", "")
+    assert sorted([unseen, counted, free], key=rank_key) == [free, counted, unseen]
 
 
 def test_a_step_that_already_fits_ranks_no_fix():
