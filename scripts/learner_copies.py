@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import posixpath
 import re
 import sys
 from pathlib import Path
@@ -28,6 +29,19 @@ NOTEBOOKS = ROOT / "notebooks"
 LEARNER = ROOT / "learner"
 NOTE_ID = "learner-copy-note"
 REPO_LINK = re.compile(r"\]\(\.\./(?!notebooks/|learner/)([^)\s]+)\)")  # markdown links to files outside notebooks/
+LOCAL_IMAGE = re.compile(r"(!\[[^\]]*\]\()(?![a-z]+:|/)([^)\s]+)\)")  # a markdown image of a repository file
+
+
+def raw_images(text: str, slug: str, ref: str) -> str:
+    """Markdown ``text`` of a notebook in notebooks/ with each image of a repository file pointing at the file
+    itself (raw.githubusercontent.com): in learner/ and on Colab the relative path leads nowhere, and a
+    github.com/.../blob/ link is an HTML page, not an image."""
+
+    def fix(m: re.Match) -> str:
+        path = posixpath.normpath(posixpath.join("notebooks", m.group(2)))
+        return f"{m.group(1)}https://raw.githubusercontent.com/{slug}/{ref}/{path})"
+
+    return LOCAL_IMAGE.sub(fix, text)
 
 
 def note(name: str, slug: str, ref: str) -> dict:
@@ -56,7 +70,7 @@ def learner_copy(nb: dict, name: str, slug: str, ref: str) -> dict:
             cell["outputs"] = []
             cell["execution_count"] = None
         elif cell["cell_type"] == "markdown":
-            src = "".join(cell["source"])
+            src = raw_images("".join(cell["source"]), slug, ref)
             cell["source"] = lines(REPO_LINK.sub(rf"](https://github.com/{slug}/blob/{ref}/\1)", src))
     cells = out["cells"]
     at = 1 if cells and cells[0]["cell_type"] == "markdown" else 0  # under the title cell

@@ -80,7 +80,8 @@ def page_of(repo_path: str) -> str | None:
 
 def rewrite_links(text: str, source: str, page: str) -> str:
     """Markdown ``text`` of the repository file ``source``, staged as ``page``: each relative link points at the
-    page its target becomes, or at the file on GitHub."""
+    page its target becomes, or at the file on GitHub; each relative image at the file itself
+    (raw.githubusercontent.com)."""
     slug, ref = course_config()
 
     def fix(m: re.Match) -> str:
@@ -91,6 +92,9 @@ def rewrite_links(text: str, source: str, page: str) -> str:
         path = os.path.normpath(os.path.join(os.path.dirname(source), unquote(parts.path))).replace(os.sep, "/")
         anchor = f"#{parts.fragment}" if parts.fragment else ""
         staged = page_of(path)
+        opening = text.rfind("[", 0, m.start())
+        if opening > 0 and text[opening - 1] == "!":  # an image: the file itself (a blob link is an HTML page)
+            return f"{m.group(1)}https://raw.githubusercontent.com/{slug}/{ref}/{path}{m.group(3)}"
         if staged is None:
             kind = "tree" if (ROOT / path).is_dir() else "blob"
             return f"{m.group(1)}https://github.com/{slug}/{kind}/{ref}/{path}{anchor}{m.group(3)}"
