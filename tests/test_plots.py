@@ -225,3 +225,22 @@ def test_figure_digest_counts_the_numbers_a_panel_computed():
 
     assert figure_digest(figure((15 * 2**30, True))) == figure_digest(figure((15 * 2**30, True)))
     assert figure_digest(figure((15 * 2**30, True))) != figure_digest(figure((80 * 2**30, True)))
+
+
+def test_the_digest_element_carries_the_values_the_panel_used_under_its_controls_labels():
+    """A panel's figure may say what it computed with (``panel_used``); the hidden element the browser test reads
+    carries them under the labels the controls show, as text (a dropdown's option, a slider's position)."""
+    import html
+    import json
+    import re
+
+    from anatomy_helpers.ui.plots import CourseFigure
+    from anatomy_helpers.ui.widgets import DIGEST_CLASS, digest_html, figure_digest
+
+    fig = CourseFigure()
+    fig.add_subplot().bar([0], [1])
+    text = digest_html("panel", fig, {"seq len": 2048, "model": 'a "quoted" name'})
+    assert f'class="{DIGEST_CLASS}"' in text and f'data-digest="{figure_digest(fig)}"' in text
+    used = json.loads(html.unescape(re.search(r'data-used="([^"]*)"', text).group(1)))
+    assert used == {"seq len": "2048", "model": 'a "quoted" name'}
+    assert 'data-used="{}"' in digest_html("panel", fig)  # a panel that reports nothing

@@ -8,7 +8,9 @@ then build the panel with :func:`slider_panel` in a cell marked NBVAL_IGNORE_OUT
 from __future__ import annotations
 
 import hashlib
+import html
 import inspect
+import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
@@ -66,9 +68,12 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
         if name not in built and p.default is not inspect.Parameter.empty:
             built[name] = w.fixed(p.default)
 
+    labels = {name: built[name].description or name.replace("_", " ") for name in controls}
+
     def measured(**kwargs):
         figure = fn(**kwargs)
-        _show_digest(fn.__name__, figure)
+        used = {labels[k]: v for k, v in getattr(figure, "panel_used", {}).items() if k in labels}
+        _show_digest(fn.__name__, figure, used)
         return figure
 
     measured.__name__ = measured.__qualname__ = fn.__name__
@@ -123,14 +128,25 @@ def figure_digest(figure) -> str:
     return h.hexdigest()[:16]
 
 
-def _show_digest(name: str, figure) -> None:
-    """Display a hidden element with the panel's name and :func:`figure_digest` (only inside a kernel)."""
+def digest_html(name: str, figure, used: dict | None = None) -> str:
+    """The hidden element a panel writes after each run: its name, :func:`figure_digest`, and the values it used
+    (``{control label: value}``, from the figure's ``panel_used``: what the panel computed with, read from what it
+    built, so a panel that silently changes a setting, e.g. clamps a sequence length, reports the changed value;
+    the browser test checks each against its control's)."""
+    values = html.escape(json.dumps({k: str(v) for k, v in (used or {}).items()}), quote=True)
+    return (
+        f'<span class="{DIGEST_CLASS}" data-panel="{name}" data-digest="{figure_digest(figure)}" '
+        f'data-used="{values}" hidden></span>'
+    )
+
+
+def _show_digest(name: str, figure, used: dict | None = None) -> None:
+    """Display :func:`digest_html` (only inside a kernel)."""
     if not _in_kernel():
         return
     from IPython.display import HTML, display  # a notebook's display: not on import
 
-    digest = figure_digest(figure)
-    display(HTML(f'<span class="{DIGEST_CLASS}" data-panel="{name}" data-digest="{digest}" hidden></span>'))
+    display(HTML(digest_html(name, figure, used)))
 
 
 def _in_kernel() -> bool:
