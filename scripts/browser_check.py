@@ -401,13 +401,16 @@ def drive(
                 panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))
             if j:  # each control moves from where the panel opened: a setting may matter only in some states
                 state = put_back(page, panel, controls.nth(j - 1), opened[j - 1], state)
-            moved, state_after, why = move(page, panel, controls.nth(j), state)
+
+            def on_run(st, what, panel=panel, controls=controls, name=state["panel"] or str(i + 1)):
+                check_used(panel, controls, st, name, result, f"moving {what}")
+
+            moved, state_after, why = move(page, panel, controls.nth(j), state, on_run=on_run)
             where = f"panel {state['panel'] or i + 1}, control {moved or j + 1}"
             if why:
                 result.failures.append(f"{where}: {why}")
                 continue
             result.moves.append(where + f" ({moved})")
-            check_used(panel, controls, state_after, state_after["panel"] or str(i + 1), result, f"moving {moved}")
             check_fit(page, panel, state_after["panel"] or str(i + 1), result)
             if first_move:
                 page.wait_for_timeout(500)  # let the figure finish replacing
@@ -452,12 +455,13 @@ def put_back(page, panel, control, value: str, state: dict, timeout_s: float = 9
     return state
 
 
-def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str, dict, str]:
+def move(page, panel, control, before: dict, timeout_s: float = 90, on_run=None) -> tuple[str, dict, str]:
     """Move ``control`` one notch (a slider up, or down at its top; a dropdown to its next choice), wait until the
     panel has run again (a fresh digest element with its figure), and check that what it draws changed. Two
     settings can legitimately draw the same (Adam and AdamW hold the same memory): then the control moves on, up to
-    :data:`TRIES` notches, before it counts as ignored. Returns (what moved, the panel's state after, "" or why it
-    failed)."""
+    :data:`TRIES` notches, before it counts as ignored. ``on_run(state, what)`` is called after every run (each
+    notch, not only the last: a setting silently clamped draws the same as the one before, and the next notch
+    would hide it). Returns (what moved, the panel's state after, "" or why it failed)."""
     label = control.locator(".widget-label").first.inner_text().strip()
     select = control.locator("select").first if control.locator("select").count() else None
     if select is not None:  # the options' values, as input_value() reads them (their text has non-breaking spaces)
@@ -491,6 +495,8 @@ def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str
         except Exception:
             return what, before, f"moving {what}: the panel did not run again (no new figure) within {timeout_s:.0f} s"
         state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+        if on_run is not None:
+            on_run(state, what)
         if state["digest"] != before["digest"]:
             return what, state, ""
     return what, state, f"moving {what} did not change what the panel draws (the same data each time)"
