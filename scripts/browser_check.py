@@ -305,7 +305,8 @@ JS_FIT = """(panel) => {
   // what a learner sees at once: the notebook's scrolling area
   const scroller = panel.closest('.jp-WindowedPanel-outer') || panel.closest('.jp-Notebook');
   const visible = scroller ? scroller.clientHeight : window.innerHeight;
-  const controls = [...panel.children].filter(c => !c.classList.contains('widget-output'));
+  const controls = [...panel.children].filter(c => !c.classList.contains('widget-output')
+                                               && c.getBoundingClientRect().height > 0);  // not a hidden status line
   const top = Math.min(...controls.map(c => c.getBoundingClientRect().top), box.bottom);
   const img = out && out.querySelector('img');
   const bottom = img ? img.getBoundingClientRect().bottom : box.bottom;

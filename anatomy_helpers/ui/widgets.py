@@ -30,7 +30,9 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     panel opens where the plain call left off; parameters without a control keep
     their defaults. Returns the widget (display it as the cell's value).
 
-    Each control's label is as wide as its text (ipywidgets' default 80 px cuts "micro batches" to "micro bat…"),
+    While ``fn`` runs, a line under the controls says the panel is measuring (hidden again, taking no room, when
+    it is done). Each control's label is as wide as its text (ipywidgets' default 80 px cuts "micro batches" to
+    "micro bat…"),
     and the controls wrap in rows above the output, so a panel of ten controls stays short enough to show with its
     figure in a 900 px high window.
     """
@@ -69,9 +71,15 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
             built[name] = w.fixed(p.default)
 
     labels = {name: built[name].description or name.replace("_", " ") for name in controls}
+    status = w.HTML(STATUS_TEXT, layout=w.Layout(display="none", width="100%"))  # shown only while it measures
+    status.add_class(STATUS_CLASS)
 
     def measured(**kwargs):
-        figure = fn(**kwargs)
+        status.layout.display = ""  # a widget update reaches the page at once, while fn still runs
+        try:
+            figure = fn(**kwargs)
+        finally:
+            status.layout.display = "none"  # hidden again: it takes no room under the controls
         used = {labels[k]: v for k, v in getattr(figure, "panel_used", {}).items() if k in labels}
         _show_digest(fn.__name__, figure, used)
         return figure
@@ -84,7 +92,14 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     # controls side by side, wrapping at the notebook's width; the output on a row of its own below them
     panel.layout = w.Layout(flex_flow="row wrap", align_items="center")
     panel.out.layout.width = "100%"
+    panel.children = (*panel.children[:-1], status, panel.children[-1])  # the status line between controls and output
     return panel
+
+
+#: What a panel shows while it measures (a new setting's dry run can take seconds: lesson 09's 15-25 s), and its
+#: CSS class (the browser test finds it by it).
+STATUS_TEXT = "<i>&#9203; measuring with the new setting&hellip; (a setting already measured comes back at once)</i>"
+STATUS_CLASS = "anatomy-panel-status"
 
 
 #: Widget labels as wide as their text (ipywidgets' own default is a fixed 80 px that truncates longer names).
