@@ -98,7 +98,7 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
 
 #: What a panel shows while it measures (a new setting's dry run can take seconds: lesson 09's 15-25 s), and its
 #: CSS class (the browser test finds it by it).
-STATUS_TEXT = "<i>&#9203; measuring with the new setting&hellip; (a setting already measured comes back at once)</i>"
+STATUS_TEXT = "<i>measuring with the new setting&hellip; (a setting already measured comes back at once)</i>"
 STATUS_CLASS = "anatomy-panel-status"
 
 
