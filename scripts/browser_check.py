@@ -10,10 +10,11 @@ measured again: after each run a panel writes a hidden digest of the data its fi
 computed (widgets.figure_digest: lines, bars, areas, not text), and the digest must change. Two settings may
 legitimately draw the same (Adam and AdamW hold the same memory), so a control moves on up to TRIES notches before
 it counts as ignored. A panel that echoes the value in its title or printout but draws the same data fails, naming
-the panel and the control. In a 1280 x 900 window (a laptop's), each panel is also checked for what would be cut
-off, before and after each move: the panel within the window's width, its figure no wider than the output area
-(JupyterLab would shrink it), no control label truncated, and controls with figure no taller than the notebook's
-visible height.
+the panel and the control. A panel that reports the values it used (its figure's ``panel_used``, written into the
+digest element) is checked against its controls after each run: a setting it silently changed fails. In a
+1280 x 900 window (a laptop's), each panel is also checked for what would be cut off, before and after each move:
+the panel within the window's width, its figure no wider than the output area (JupyterLab would shrink it), no
+control label truncated, and controls with figure no taller than the notebook's visible height.
 Screenshots of the first panel before and after its first move, and of the page, go to --artifacts.
 tests/test_browser.py runs the same in CI (`bash scripts/test.sh`), where nbval runs every cell of the same sources
 (tests/test_course.py keeps learner/ in sync with notebooks/) and fails on any error: running the lessons' other
@@ -222,6 +223,9 @@ class NotebookResult:
     stderr: list[str] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)  # "panel P, control C (label a -> b)", each that re-measured
     failures: list[str] = field(default_factory=list)  # each control whose move did not change the measurement
+    # or whose panel reported using another value than the control shows
+    used_checked: int = 0  # (setting the panel reported, control) pairs that agreed
+    unreported: list[str] = field(default_factory=list)  # panels that report none of the values they used
     cut_off: list[str] = field(default_factory=list)  # "panel P: what does not fit the window", each once
     sizes: list[str] = field(default_factory=list)  # each panel's measured layout (px), for the log
     text_before: str = ""
@@ -271,7 +275,8 @@ JS_PANEL_STATE = """(panel) => {
   const img = out && out.querySelector('img');
   const mark = out && out.querySelector('.anatomy-panel-digest');  // widgets.DIGEST_CLASS
   return {text: out ? out.innerText : '', image: img ? img.getAttribute('src') : '',
-          digest: mark ? mark.dataset.digest : '', panel: mark ? mark.dataset.panel : ''};
+          digest: mark ? mark.dataset.digest : '', panel: mark ? mark.dataset.panel : '',
+          used: mark && mark.dataset.used ? JSON.parse(mark.dataset.used) : {}};  // widgets.digest_html
 }"""
 
 JS_FIT = """(panel) => {
@@ -301,7 +306,8 @@ JS_FIT = """(panel) => {
   // what a learner sees at once: the notebook's scrolling area
   const scroller = panel.closest('.jp-WindowedPanel-outer') || panel.closest('.jp-Notebook');
   const visible = scroller ? scroller.clientHeight : window.innerHeight;
-  const controls = [...panel.children].filter(c => !c.classList.contains('widget-output'));
+  const controls = [...panel.children].filter(c => !c.classList.contains('widget-output')
+                                               && c.getBoundingClientRect().height > 0);  // not a hidden status line
   const top = Math.min(...controls.map(c => c.getBoundingClientRect().top), box.bottom);
   const img = out && out.querySelector('img');
   const bottom = img ? img.getBoundingClientRect().bottom : box.bottom;
@@ -319,6 +325,38 @@ def check_fit(page, panel, name: str, result: NotebookResult) -> None:
         if f"panel {name}: {what}" not in result.cut_off:
             result.cut_off.append(f"panel {name}: {what}")
     result.sizes.append(f"{name}: {fit['sizes']}")
+
+
+def same_value(used: str, shown: str) -> bool:
+    """Whether a value a panel reported using (its text) is what a control shows: a dropdown's option, or a
+    slider's position (noUiSlider writes aria-valuenow as 1024.00)."""
+    try:
+        return float(used) == float(shown)
+    except (TypeError, ValueError):
+        return used == shown
+
+
+def check_used(panel, controls, state: dict, name: str, result: NotebookResult, after: str) -> None:
+    """Compare each value the panel reported using (``state["used"]``: {control label: value}, widgets.digest_html)
+    with what that control shows; a mismatch (a setting silently changed: a sequence clamped, a choice ignored) is
+    a failure naming the panel, the control and both values."""
+    shown = {}
+    for j in range(controls.count()):
+        c = controls.nth(j)
+        shown[c.locator(".widget-label").first.inner_text().strip()] = value_of(c)
+    if not state.get("used"):
+        if name not in result.unreported:
+            result.unreported.append(name)
+        return
+    for label, value in state["used"].items():
+        if label not in shown:
+            continue
+        if same_value(value, shown[label]):
+            result.used_checked += 1
+        else:
+            result.failures.append(
+                f"panel {name}, after {after}: it used {label} = {value} where the control shows {shown[label]}"
+            )
 
 
 def drive(
@@ -358,13 +396,18 @@ def drive(
         check_fit(page, panel, state["panel"] or str(i + 1), result)
         controls = panel.locator(".widget-slider, .widget-hslider, .widget-dropdown")
         opened = [value_of(controls.nth(j)) for j in range(controls.count())]
+        check_used(panel, controls, state, state["panel"] or str(i + 1), result, "opening")
         for j in range(controls.count()):
             first_move = not result.moves
             if first_move:
                 panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))
             if j:  # each control moves from where the panel opened: a setting may matter only in some states
                 state = put_back(page, panel, controls.nth(j - 1), opened[j - 1], state)
-            moved, state_after, why = move(page, panel, controls.nth(j), state)
+
+            def on_run(st, what, panel=panel, controls=controls, name=state["panel"] or str(i + 1)):
+                check_used(panel, controls, st, name, result, f"moving {what}")
+
+            moved, state_after, why = move(page, panel, controls.nth(j), state, on_run=on_run)
             where = f"panel {state['panel'] or i + 1}, control {moved or j + 1}"
             if why:
                 result.failures.append(f"{where}: {why}")
@@ -414,16 +457,17 @@ def put_back(page, panel, control, value: str, state: dict, timeout_s: float = 9
     return state
 
 
-def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str, dict, str]:
+def move(page, panel, control, before: dict, timeout_s: float = 90, on_run=None) -> tuple[str, dict, str]:
     """Move ``control`` one notch (a slider up, or down at its top; a dropdown to its next choice), wait until the
     panel has run again (a fresh digest element with its figure), and check that what it draws changed. Two
     settings can legitimately draw the same (Adam and AdamW hold the same memory): then the control moves on, up to
-    :data:`TRIES` notches, before it counts as ignored. Returns (what moved, the panel's state after, "" or why it
-    failed)."""
+    :data:`TRIES` notches, before it counts as ignored. ``on_run(state, what)`` is called after every run (each
+    notch, not only the last: a setting silently clamped draws the same as the one before, and the next notch
+    would hide it). Returns (what moved, the panel's state after, "" or why it failed)."""
     label = control.locator(".widget-label").first.inner_text().strip()
     select = control.locator("select").first if control.locator("select").count() else None
-    if select is not None:
-        options = select.locator("option").all_inner_texts()
+    if select is not None:  # the options' values, as input_value() reads them (their text has non-breaking spaces)
+        options = select.locator("option").evaluate_all("os => os.map(o => o.value)")
         if len(options) < 2:
             return label, before, ""  # nothing to choose
         values, tries = [select.input_value()], min(TRIES, len(options) - 1)
@@ -453,6 +497,8 @@ def move(page, panel, control, before: dict, timeout_s: float = 90) -> tuple[str
         except Exception:
             return what, before, f"moving {what}: the panel did not run again (no new figure) within {timeout_s:.0f} s"
         state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+        if on_run is not None:
+            on_run(state, what)
         if state["digest"] != before["digest"]:
             return what, state, ""
     return what, state, f"moving {what} did not change what the panel draws (the same data each time)"
@@ -521,6 +567,8 @@ class Browser:
         cells = f"{len(self.kept[nb.name])} cells the panels need" if nb.name in self.kept else "all cells"
         self.log(f"{'PASS' if result.ok else 'FAIL'} {nb.name} ({cells} in {result.seconds:.0f} s): "
                  f"{len(result.moves)} controls re-measured; plot changed: {result.image_changed}"
+                 + f"; {result.used_checked} reported settings agreed with their controls"
+                 + (f" (panels reporting none: {result.unreported})" if result.unreported else "")
                  + (f"; FAILED: {result.failures}" if result.failures else "")
                  + (f"; CUT OFF in {VIEWPORT['width']}x{VIEWPORT['height']}: {result.cut_off}" if result.cut_off
                     else f"; nothing cut off in {VIEWPORT['width']}x{VIEWPORT['height']}")

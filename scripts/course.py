@@ -1,6 +1,7 @@
 """Set the course up once, then open JupyterLab or run the tests, on Linux, macOS and Windows.
 
     python scripts/course.py lab [--executed] [JUPYTER ARGS]   # set up if needed, open the learner notebooks
+                                                                # (copies in my-work/, which git ignores)
     python scripts/course.py test [--quick] [PYTEST ARGS]       # set up with the development tools, ruff + pytest
     python scripts/course.py setup [--dev]                      # only set up
 
@@ -255,9 +256,23 @@ def openmp_env(environ: dict[str, str]) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE", **environ}
 
 
+def learner_folder() -> Path:
+    """Where `lab` opens the learner notebooks: my-work/, copies of learner/ that git ignores, made on first launch
+    (later, only a lesson not there yet is added: a copy holding the learner's work is never overwritten)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import learner_copies  # standard library only, like this script
+
+    made = learner_copies.workspace()
+    if made:
+        print(f"copied {len(made)} learner notebook(s) into {learner_copies.WORK.relative_to(ROOT)}/: your work is "
+              "saved there (git ignores it); learner/ stays as committed")  # fmt: skip
+    return learner_copies.WORK
+
+
 def lab_command(env: Env, executed: bool, extra: list[str]) -> list[str]:
-    """The JupyterLab command line that `lab` runs (from the repository root)."""
-    folder = ROOT / ("notebooks" if executed else "learner")
+    """The JupyterLab command line that `lab` runs (from the repository root): the learner's copies in my-work/
+    (:func:`learner_folder`), or with ``executed`` notebooks/."""
+    folder = ROOT / "notebooks" if executed else learner_folder()
     cmd = [str(env.python), "-m", "jupyter", "lab", str(folder)]
     if hasattr(os, "getuid") and os.getuid() == 0:
         cmd.append("--allow-root")  # containers and CI run as root

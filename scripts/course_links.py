@@ -84,6 +84,65 @@ def check(slug: str, ref: str, write: bool = False) -> list[str]:
     return problems
 
 
+IMAGE_TYPES = (".png", ".svg", ".jpg", ".jpeg", ".gif", ".webp")
+URL = re.compile(r"https?://[^\s)\"'<>\]\\]+")
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)|<img\b[^>]*\bsrc=[\"']([^\"']+)")  # markdown and HTML images
+
+
+def url_problem(url: str, slug: str, ref: str, root: Path = ROOT) -> str:
+    """Why ``url`` would not open what it names ("" if it would, or if it is not a link to this repository):
+    a Colab link is colab.research.google.com/github/<slug>/blob/<ref>/<notebook> (without /blob/ Colab answers
+    404), a Binder link mybinder.org/v2/gh/<slug>/<ref>?urlpath=lab/tree/<path>, a GitHub or raw link names a file
+    (blob, raw) or folder (tree) of this checkout."""
+    url = url.split("#", 1)[0].rstrip(".,;:")
+    colab, binder = "https://colab.research.google.com/github/", "https://mybinder.org/v2/gh/"
+    github, raw = f"https://github.com/{slug}", f"https://raw.githubusercontent.com/{slug}/{ref}/"
+    if url.startswith(colab):
+        m = re.fullmatch(rf"{re.escape(colab + slug)}/blob/{re.escape(ref)}/(\S+\.ipynb)", url)
+        if not m:
+            return f"not a Colab notebook link (expected {colab}{slug}/blob/{ref}/<notebook>.ipynb)"
+        return "" if (root / m.group(1)).is_file() else f"no notebook {m.group(1)} in the repository"
+    if url.startswith(binder):
+        m = re.fullmatch(rf"{re.escape(binder + slug)}/{re.escape(ref)}(?:\?urlpath=lab(?:/tree/(\S+))?)?", url)
+        if not m:
+            return f"not a Binder link (expected {binder}{slug}/{ref}?urlpath=lab/tree/<path>)"
+        return "" if not m.group(1) or (root / m.group(1)).exists() else f"no {m.group(1)} in the repository"
+    if url.startswith(raw):
+        path = url[len(raw) :]
+        return "" if (root / path).is_file() else f"no file {path} in the repository"
+    m = re.fullmatch(rf"{re.escape(github)}/(blob|tree)/{re.escape(ref)}/(\S+)", url)
+    if m:
+        kind, path = m.groups()
+        ok = (root / path).is_file() if kind == "blob" else (root / path).is_dir()
+        return "" if ok else f"no {'file' if kind == 'blob' else 'folder'} {path} in the repository"
+    return ""
+
+
+def image_problem(src: str, slug: str, ref: str, base: Path, root: Path = ROOT) -> str:
+    """Why the image ``src`` (a markdown or HTML image's target, in a file in folder ``base``) would not show an
+    image ("" if it would): a relative path must be an image file; a link to this repository must be its raw file
+    (a github.com/.../blob/ link is an HTML page, not an image); any other URL must name an image file."""
+    path = src.split("#", 1)[0].split("?", 1)[0]
+    if not path.lower().endswith(IMAGE_TYPES):
+        if path.startswith(f"https://github.com/{slug}/blob/"):
+            return "a GitHub page, not an image: an image of the repository is its raw.githubusercontent.com file"
+        return "not an image file"
+    if "://" in path:
+        if path.startswith(f"https://github.com/{slug}/blob/"):
+            return "a GitHub page, not an image: an image of the repository is its raw.githubusercontent.com file"
+        return url_problem(path, slug, ref, root)
+    return "" if (base / path).is_file() else f"no image {path} beside the file"
+
+
+def target_problems(text: str, where: str, base: Path, slug: str, ref: str, root: Path = ROOT) -> list[str]:
+    """Each link to this repository in ``text`` (of the file ``where``, in folder ``base``) that would not open,
+    and each image that would not show: "where: target: why"."""
+    found = [(u, url_problem(u, slug, ref, root)) for u in URL.findall(text)]
+    images = [m.group(1) or m.group(2) for m in IMAGE.finditer(text)]
+    found += [(s, image_problem(s, slug, ref, base, root)) for s in images]
+    return [f"{where}: {t}: {why}" for t, why in dict.fromkeys(found) if why]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rewrite every link from [tool.course]")

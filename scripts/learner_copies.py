@@ -2,13 +2,16 @@
 
     python scripts/learner_copies.py             # (re)write every learner copy from notebooks/
     python scripts/learner_copies.py --check     # exit 1 if a copy is missing, stale or has no notebook (CI)
-    python scripts/learner_copies.py --reset 02  # put learner/02_*.ipynb back to its unexecuted state
+    python scripts/learner_copies.py --reset 02  # put learner/02_*.ipynb (and my-work/02_*) back to unexecuted
 
 notebooks/ keeps the executed notebooks (CI compares their outputs; they are the version to read). The stored
 outputs would give the exercises away (a prediction is worth making only before the number is on the screen), so
 the Colab and Binder badges open these copies instead. A copy differs from its notebook only in: no outputs or
 execution counts, no widget state, a note under the title, and links to other files of the repository (../docs/...)
 pointing at GitHub, since on Colab the notebook sits alone. Standard library only: learners run --reset too.
+
+`lab` (scripts/course.py) opens copies of learner/ in my-work/ (:func:`workspace`: made on first launch, a new
+lesson's added later, never overwritten), which git ignores: a learner's runs and edits never dirty the checkout.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import posixpath
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +33,19 @@ NOTEBOOKS = ROOT / "notebooks"
 LEARNER = ROOT / "learner"
 NOTE_ID = "learner-copy-note"
 REPO_LINK = re.compile(r"\]\(\.\./(?!notebooks/|learner/)([^)\s]+)\)")  # markdown links to files outside notebooks/
+LOCAL_IMAGE = re.compile(r"(!\[[^\]]*\]\()(?![a-z]+:|/)([^)\s]+)\)")  # a markdown image of a repository file
+
+
+def raw_images(text: str, slug: str, ref: str) -> str:
+    """Markdown ``text`` of a notebook in notebooks/ with each image of a repository file pointing at the file
+    itself (raw.githubusercontent.com): in learner/ and on Colab the relative path leads nowhere, and a
+    github.com/.../blob/ link is an HTML page, not an image."""
+
+    def fix(m: re.Match) -> str:
+        path = posixpath.normpath(posixpath.join("notebooks", m.group(2)))
+        return f"{m.group(1)}https://raw.githubusercontent.com/{slug}/{ref}/{path})"
+
+    return LOCAL_IMAGE.sub(fix, text)
 
 
 def note(name: str, slug: str, ref: str) -> dict:
@@ -56,7 +74,7 @@ def learner_copy(nb: dict, name: str, slug: str, ref: str) -> dict:
             cell["outputs"] = []
             cell["execution_count"] = None
         elif cell["cell_type"] == "markdown":
-            src = "".join(cell["source"])
+            src = raw_images("".join(cell["source"]), slug, ref)
             cell["source"] = lines(REPO_LINK.sub(rf"](https://github.com/{slug}/blob/{ref}/\1)", src))
     cells = out["cells"]
     at = 1 if cells and cells[0]["cell_type"] == "markdown" else 0  # under the title cell
@@ -97,6 +115,8 @@ def problems() -> list[str]:
 
 
 def write(only: list[str] | None = None) -> list[Path]:
+    """Write the learner copies (``only``: those whose names start so; then the learner's own copy in
+    :data:`WORK` too, where there is one: --reset undoes their edits)."""
     LEARNER.mkdir(exist_ok=True)
     written = []
     for path, text in expected().items():
@@ -104,9 +124,30 @@ def write(only: list[str] | None = None) -> list[Path]:
             continue
         path.write_text(text, encoding="utf-8")
         written.append(path)
+        if only and (WORK / path.name).exists():
+            (WORK / path.name).write_text(text, encoding="utf-8")
+            written.append(WORK / path.name)
     if only and not written:
         sys.exit(f"no notebook matches {only}")
     return written
+
+
+#: Where `lab` opens the learner's notebooks: copies of learner/ that git ignores (.gitignore), so running and
+#: saving them leaves the repository clean and `git pull` never conflicts with a learner's work.
+WORK = ROOT / "my-work"
+
+
+def workspace(dest: Path | None = None) -> list[Path]:
+    """Copy each learner notebook into ``dest`` (default :data:`WORK`) that is not there yet; never overwrite one
+    (it holds the learner's work). Returns the copies made."""
+    dest = WORK if dest is None else dest
+    dest.mkdir(parents=True, exist_ok=True)
+    made = []
+    for path in sorted(LEARNER.glob("[0-9][0-9]_*.ipynb")):
+        if not (dest / path.name).exists():
+            shutil.copyfile(path, dest / path.name)
+            made.append(dest / path.name)
+    return made
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,6 +91,23 @@ def table(rows: list[LessonTime]) -> str:
     return "\n".join(lines)
 
 
+def guide_minutes(guide: Path = ROOT / "docs" / "instructor_guide.md") -> dict[str, int]:
+    """{lesson number: the estimate in minutes} from the table :func:`table` wrote into the instructor guide (with
+    the execution times measured there; tests/test_course.py keeps its counts equal to the notebooks')."""
+    row = re.compile(r"^\| (\d\d) \| [\d,]+ \| [\d.]+ \| \d+ \| \d+ \| \d+ \| \d+ \| (\d+) \|$", re.M)
+    return {number: int(minutes) for number, minutes in row.findall(guide.read_text(encoding="utf-8"))}
+
+
+def builds_on(path: Path) -> list[str]:
+    """The earlier lessons a notebook's prose refers to (a link to NN_topic.ipynb or "lesson NN"), in order: what
+    it builds on, as the lesson itself says."""
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    prose = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    found = set(re.findall(r"\]\((?:\.\./notebooks/)?(\d\d)_\w+\.ipynb", prose))
+    found |= set(re.findall(r"\b[Ll]essons? (\d\d)\b", prose))
+    return sorted(n for n in found if n < path.name[:2])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--execute", action="store_true", help="execute each notebook once and time it")

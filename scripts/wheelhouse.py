@@ -8,8 +8,8 @@ Run it on a machine with network; copy the folder with the repository (USB stick
 --wheelhouse` installs with `pip --no-index --find-links`, so it never reaches for an index. For Linux and Windows
 the CPU build of torch comes from PyTorch's CPU index (about 190 MB for Linux, less for Windows); macOS wheels
 come from PyPI (torch ships no Intel-Mac wheels since 2.3, so only Apple silicon). The rest (JupyterLab, numpy,
-matplotlib, ipywidgets, lesson 09's transformers and peft, and what they need) is about 120 MB per platform and
-Python version (131 wheels for Linux and Python 3.11, December 2026).
+matplotlib, ipywidgets, lesson 09's transformers and peft, and what they need) is about 105-120 MB per platform
+and Python version (131 wheels for Linux and Python 3.11; 116 MiB for Windows, 103 MiB for macOS; December 2026).
 
 Another platform's set of packages is not this machine's: `pip download --platform` evaluates environment markers
 for the machine that runs it, so a Windows wheelhouse built on Linux would lack colorama (IPython needs it on
@@ -53,6 +53,9 @@ UV_PLATFORMS = {
     "windows": "x86_64-pc-windows-msvc",
     "macos-arm": "aarch64-apple-darwin",
 }
+#: The oldest macOS the macOS wheelhouse serves: as low as its wheels allow. torch 2.13's only macOS wheel is
+#: macosx_14_0_arm64 (`pip install --dry-run --platform macosx_13_0_arm64 torch==2.13.0` finds none), so 14.0; a
+#: lower target would only pick numpy's older-macOS build while torch still needs 14. Stated in README.
 MACOS_TARGET = "14.0"
 BUILD = ["setuptools>=68", "wheel"]  # what `pip install -e .` needs to build the course package, offline
 

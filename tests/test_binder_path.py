@@ -1,10 +1,10 @@
 """The Binder path: repo2docker builds the image from binder/ alone (it reads nothing else when binder/ exists).
 
 repo2docker itself needs a container engine, which CI does not have. So a fresh virtual environment stands in for
-its base image (Python with ipykernel; torch, transformers and peft linked from this environment in place of the
-wheels the file asks for, so nothing big is downloaded), then gets exactly what repo2docker does:
-`pip install -r binder/requirements.txt` from the repository root and binder/postBuild. The tour's learner copy,
-which the badge opens, then executes in it.
+its base image (Python with ipykernel; torch and transformers linked from this environment in place of the
+wheels the file asks for, so nothing big is downloaded; peft is not: the [hf] extra must bring it), then gets exactly
+what repo2docker does: `pip install -r binder/requirements.txt` from the repository root and binder/postBuild. The
+tour's learner copy, which the badge opens, then executes in it.
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ def test_binder_environment_runs_the_tour(tmp_path):
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if pinned != here:
         print(f"NOTE: binder/runtime.txt pins Python {pinned}; this test runs Python {here}")
-    env = make_env(tmp_path, ["torch", "transformers", "peft", "ipykernel", "nbclient", "nbformat"],
-                   exclude={"numpy", "matplotlib", "ipywidgets", "anatomy-helpers"})  # fmt: skip
-    assert env.run(["-c", "import numpy"], check=False).returncode != 0  # binder/requirements.txt must bring it
+    # peft is not linked in: the [hf] extra must bring it (linked, it passed with peft dropped from the extra)
+    env = make_env(tmp_path, ["torch", "transformers", "ipykernel", "nbclient", "nbformat"],
+                   exclude={"numpy", "matplotlib", "ipywidgets", "anatomy-helpers", "peft"})  # fmt: skip
+    for module in ("numpy", "peft"):  # binder/requirements.txt must bring them
+        assert env.run(["-c", f"import {module}"], check=False).returncode != 0, module
     # The CPU index is not reachable from CI; don't let pip retry it for every package (torch is already here).
     pip_env = dict(os.environ, PIP_RETRIES="0", PIP_TIMEOUT="5")
     installed = env.pip_install(["-r", "binder/requirements.txt"], cwd=ROOT, env=pip_env, check=False)
@@ -58,6 +60,7 @@ def test_binder_environment_runs_the_tour(tmp_path):
     assert settings.read_text() == (ROOT / "jupyter" / "lab-overrides.json").read_text()
     assert env.version("torch").startswith("2.13.0") and env.version("ipywidgets").startswith("8.")
     env.run(["-c", "import anatomy_helpers, peft, transformers"])  # lesson 09's extra came with the package
+    assert env.where("peft").startswith(str(env.site)), env.where("peft")  # installed by pip, not the host's
     run_env = dict(
         os.environ,
         **env.add_kernel("binder"),

@@ -58,3 +58,9 @@ def test_panels_rerun_in_jupyterlab_in_chromium(browser, notebook):
     assert r.cut_off == [], (r.name, r.cut_off)  # each names the panel and what does not fit 1280 x 900
     assert r.moves, (r.name, "no control moved")
     assert r.image_changed, (r.name, "the plot did not change")
+
+
+def test_a_reported_setting_is_compared_with_the_control_as_it_shows_it():
+    assert browser_check.same_value("1024", "1024.00")  # noUiSlider's aria-valuenow
+    assert browser_check.same_value("llama-3.2-1b", "llama-3.2-1b") and not browser_check.same_value("1024", "2048")
+    assert not browser_check.same_value("LoRA r=8", "LoRA\xa0r=8")  # an option's text, not its value

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from .fresh_env import make_env, pip_failed
-from .test_course import ROOT, SLUG
+from .test_course import REF, ROOT, SLUG
 
 pytestmark = pytest.mark.delivery  # slow: `-m "not delivery"` leaves these out while iterating
 
@@ -40,6 +41,17 @@ NOT_LINKED = {"ipywidgets", "ipykernel", "ipython", "widgetsnbextension", "jupyt
               "tornado", "pyzmq", "traitlets", "comm", "matplotlib-inline", "prompt-toolkit"}  # fmt: skip
 DEFAULT_NOTEBOOKS = ["00_tour.ipynb", "01_forward.ipynb"]
 COLAB_STUB = 'import sys, types; sys.modules.setdefault("google.colab", types.ModuleType("google.colab"))\n'
+
+
+def first_cell_install(notebook: dict) -> str:
+    """The requirement the notebook's first code cell gives pip on Colab (``anatomy_helpers @ git+...@<ref>``), as
+    written there: the Colab test's diagnostic re-runs exactly that, so a wrong ref shows pip's own reason."""
+    source = "".join(next(c for c in notebook["cells"] if c["cell_type"] == "code")["source"])
+    course = re.search(r'^COURSE = "([^"]+)"$', source, re.M)
+    name = re.search(r'f"(anatomy_helpers(?:\[[\w,]+\])?) @ \{COURSE\}"', source)
+    if not (course and name):
+        raise ValueError('the first code cell has no `COURSE = "git+..."` line and pip install of it')
+    return f"{name.group(1)} @ {course.group(1)}"
 
 
 def checkout_as_remote(dest: Path, ref: str) -> Path:
@@ -69,7 +81,7 @@ def colab(tmp_path_factory):
     if installed.returncode:
         pip_failed("installing Colab's kernel stack from PyPI", installed.stderr)
     (env.site / "google_colab_stub.pth").write_text(COLAB_STUB)
-    remote = checkout_as_remote(tmp / "remote", ref="main")
+    remote = checkout_as_remote(tmp / "remote", ref=REF)
     return env, tmp, remote
 
 
@@ -92,19 +104,21 @@ def test_first_cells_install_the_course_like_colab_and_the_notebooks_run_outside
         OMP_NUM_THREADS="1",
         CUDA_VISIBLE_DEVICES="",
         PIP_COMPILE="false",  # the first cell's pip (and its build environment) skips byte-compiling: time only
-        GIT_CONFIG_COUNT="1",  # the first cell's `git+https://github.com/<slug>@main` fetches the local copy instead
+        GIT_CONFIG_COUNT="1",  # the first cell's `git+https://github.com/<slug>@<ref>` fetches the local copy instead
         GIT_CONFIG_KEY_0=f"url.{remote.as_uri()}.insteadOf",
         GIT_CONFIG_VALUE_0=f"https://github.com/{SLUG}",
     )
     run_env.pop("MPLBACKEND", None)  # Colab's inline backend, as a learner gets it
     results = env.execute([content / n for n in names], tmp / "executed", cwd=content, env=run_env)
-    if any("CalledProcessError" in p["error"] and "pip" in p["error"] for r in results for p in r["problems"]):
-        # The first cell's pip failed; its words went to the kernel's stderr, not to the notebook: ask pip again,
-        # the same way, to show them (a bad dependency in pyproject.toml fails here; no network skips).
-        course = f"anatomy_helpers @ git+https://github.com/{SLUG}@main"  # not -q: pip says which requirement
-        again = env.run(["-m", "pip", "install", course], env=run_env, cwd=content, check=False)
-        if again.returncode:
-            pip_failed("the first cell's pip install of the course from git", again.stdout + again.stderr)
+    for r in results:
+        if any("CalledProcessError" in p["error"] and "pip" in p["error"] for p in r["problems"]):
+            # The first cell's pip failed; its words went to the kernel's stderr, not to the notebook: ask pip again
+            # with that cell's own requirement (its ref, not a fixed one), to show them (a bad dependency in
+            # pyproject.toml or a ref the repository lacks fails here; no network skips).
+            course = first_cell_install(json.loads((content / r["notebook"]).read_text()))  # not -q: pip says why
+            again = env.run(["-m", "pip", "install", course], env=run_env, cwd=content, check=False)
+            if again.returncode:
+                pip_failed(f"the first cell's pip install of {course!r}", again.stdout + again.stderr)
     for r in results:
         print(f"Colab path: {r['notebook']} executed in {r['seconds']} s")
         assert r["problems"] == [], r
@@ -117,7 +131,7 @@ def test_first_cells_install_the_course_like_colab_and_the_notebooks_run_outside
     assert installed.startswith(str(env.site)) and not installed.startswith(str(ROOT)), installed
     direct = json.loads(env.run(["-c", "import importlib.metadata as m; print(m.distribution('anatomy_helpers')"
                                  ".read_text('direct_url.json'))"]).stdout)  # fmt: skip
-    assert direct["url"] == f"https://github.com/{SLUG}" and direct["vcs_info"]["requested_revision"] == "main"
+    assert direct["url"] == f"https://github.com/{SLUG}" and direct["vcs_info"]["requested_revision"] == REF
     assert direct.get("dir_info", {}).get("editable") is not True
     assert {d: (env.version(d), env.where(m)) for d, m in (("torch", "torch"), ("ipywidgets", "ipywidgets"))} == before
 
@@ -136,3 +150,12 @@ def test_data_ships_with_the_package(colab):
     committed = (ROOT / "anatomy_helpers" / "lessons" / "gpu_reference" / "first_steps.pickle").exists()
     # once a GPU reference is recorded, Colab learners must see it too (ship it as package data)
     assert lines[1] == str(committed), "the GPU reference snapshot is not package data"
+
+
+def test_the_diagnostic_reruns_the_first_cells_own_requirement():
+    cell = {"cell_type": "code", "source": ['COURSE = "git+https://github.com/me/repo@my-branch"\n',
+                                            'run(["pip", "install", f"anatomy_helpers[hf] @ {COURSE}"])']}  # fmt: skip
+    assert first_cell_install({"cells": [cell]}) == "anatomy_helpers[hf] @ git+https://github.com/me/repo@my-branch"
+    for path in sorted((ROOT / "learner").glob("[0-9][0-9]_*.ipynb")):
+        course = first_cell_install(json.loads(path.read_text())).split(" @ ")[1]
+        assert course == f"git+https://github.com/{SLUG}@{REF}", path.name

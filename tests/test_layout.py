@@ -145,3 +145,75 @@ def test_a_function_local_import_is_an_outside_module_with_its_reason_on_the_lin
             if package or "#" not in lines[n.lineno - 1]:
                 bad.append(f"line {n.lineno}: {lines[n.lineno - 1].strip()}")
     assert bad == []
+
+
+# ---- what the package imports from outside, declared where pip reads it ---------------------------------------
+def _outside_imports(path: Path) -> set[str]:
+    """Top-level names of the modules outside the standard library and this package that ``path`` imports."""
+    import sys
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return {m for m in found if m not in sys.stdlib_module_names and m not in ("anatomy_helpers", "__future__")}
+
+
+def _declared() -> tuple[set[str], dict[str, set[str]]]:
+    """(the base dependencies, {extra: its distributions}) from pyproject.toml, as canonical names."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+
+    def names(specs):
+        return {canonicalize_name(Requirement(s).name) for s in specs}
+
+    return names(project["dependencies"]), {k: names(v) for k, v in project["optional-dependencies"].items()}
+
+
+#: The modules of the Hugging Face path: what they import from outside the base dependencies is the [hf] extra's.
+HF_PATH = [
+    *(f"prediction/{m}.py" for m in ("hf", "hf_step", "hf_fit", "hf_fixes", "hf_cuda_rules")),
+    *("distributed/hf_fit.py", "cli/hf.py", "lessons/lesson09_finetune.py"),
+]
+#: Outside modules the package may import without declaring them: IPython comes with ipywidgets (a base
+#: dependency), packaging with torch and pip; the imports of these are in kernels or guarded.
+INDIRECT = {"IPython", "packaging", "ipykernel"}
+
+
+def test_every_module_the_hf_path_imports_is_in_the_hf_extra():
+    """`pip install "anatomy_helpers[hf]"` brings what lesson 09 imports (a LoRA fine-tune imports peft): checked
+    from the source, not from this environment, where every package is installed anyway."""
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    base, extras = _declared()
+    dists = packages_distributions()
+    wanted = set()
+    for rel in HF_PATH:
+        for module in _outside_imports(PACKAGE / rel) - INDIRECT:
+            wanted.update(canonicalize_name(d) for d in dists.get(module, [module]))
+    assert {"transformers", "peft"} <= wanted  # the path's own imports were found
+    assert wanted - base - {"torch"} <= extras["hf"], (wanted - base, extras["hf"])
+
+
+def test_every_outside_module_the_package_imports_is_declared():
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    base, extras = _declared()
+    declared = base.union(*extras.values())
+    dists = packages_distributions()
+    missing = {
+        f"{dotted(path)}: {module}"
+        for path in MODULES
+        for module in _outside_imports(path) - INDIRECT
+        if not {canonicalize_name(d) for d in dists.get(module, [module])} & declared
+    }
+    assert missing == set()

@@ -225,3 +225,14 @@ def test_the_notebooks_colab_line_installs_the_hf_extra_as_pyproject_declares_it
     first = "".join(json.loads((ROOT / "notebooks" / "09_finetune.ipynb").read_text())["cells"][1]["source"])
     lines = [line for line in first.splitlines() if '"pip", "install"' in line]
     assert len(lines) == 2 and re.findall(r'"([^"]+)"', lines[1].split('"-q",')[1]) == extra
+
+
+def test_fit_panel_hf_reports_the_settings_its_dry_run_used():
+    """What the browser test compares with the controls: read from the fine-tune the panel built, so a panel that
+    silently changed a setting (a sequence clamped to 1,024 tokens) reports the changed one. The tiny twin has room
+    for 2,048 positions, past any such clamp."""
+    cfg = tiny_config(PANEL_MODELS[0], head_dim=16, positions=4096)
+    fig = fit_panel_hf(cfg, device="t4", world_size=1, lora_rank=8, batch_size=1, seq_len=2048)
+    assert fig.panel_used == {"lora_rank": 8, "batch_size": 1, "seq_len": 2048, "world_size": 1}
+    fig = fit_panel_hf(cfg, device="t4", world_size=2, zero=1, lora_rank=0, batch_size=2, seq_len=16)
+    assert fig.panel_used == {"lora_rank": 0, "batch_size": 2, "seq_len": 16, "world_size": 2, "zero": 1}

@@ -87,7 +87,7 @@ def test_slider_panel_labels_are_as_wide_as_their_text_and_controls_wrap():
 
     given = w.IntSlider(value=2, min=1, max=3, description="n")
     panel = slider_panel(fn, micro_batches=(1, 4, 1), implementation=["x", "y"], n=given)
-    controls = panel.children[:-1]
+    controls = panel.children[:-2]  # then the status line and the output
     assert [c.description for c in controls] == ["micro batches", "implementation", "n"]
     # "initial": the label takes its text's width; ipywidgets' default ("") is a fixed 80 px: "micro bat…"
     assert all(c.style.description_width == "initial" for c in controls)
@@ -225,3 +225,45 @@ def test_figure_digest_counts_the_numbers_a_panel_computed():
 
     assert figure_digest(figure((15 * 2**30, True))) == figure_digest(figure((15 * 2**30, True)))
     assert figure_digest(figure((15 * 2**30, True))) != figure_digest(figure((80 * 2**30, True)))
+
+
+def test_the_digest_element_carries_the_values_the_panel_used_under_its_controls_labels():
+    """A panel's figure may say what it computed with (``panel_used``); the hidden element the browser test reads
+    carries them under the labels the controls show, as text (a dropdown's option, a slider's position)."""
+    import html
+    import json
+    import re
+
+    from anatomy_helpers.ui.plots import CourseFigure
+    from anatomy_helpers.ui.widgets import DIGEST_CLASS, digest_html, figure_digest
+
+    fig = CourseFigure()
+    fig.add_subplot().bar([0], [1])
+    text = digest_html("panel", fig, {"seq len": 2048, "model": 'a "quoted" name'})
+    assert f'class="{DIGEST_CLASS}"' in text and f'data-digest="{figure_digest(fig)}"' in text
+    used = json.loads(html.unescape(re.search(r'data-used="([^"]*)"', text).group(1)))
+    assert used == {"seq len": "2048", "model": 'a "quoted" name'}
+    assert 'data-used="{}"' in digest_html("panel", fig)  # a panel that reports nothing
+
+
+def test_a_panel_says_it_is_measuring_while_it_runs_and_takes_no_room_after():
+    """A new setting's dry run can take seconds (lesson 09's 15-25 s): the status line is shown while the panel's
+    function runs, hidden (display none: no room under the controls) before and after."""
+    import ipywidgets as w
+
+    from anatomy_helpers.ui.widgets import STATUS_CLASS, slider_panel
+
+    seen = []
+    panel = None
+
+    def watched(a: int = 2):
+        if panel is not None:
+            [status] = [c for c in panel.children if STATUS_CLASS in c._dom_classes]
+            seen.append((a, status.layout.display, "measuring" in status.value))
+        return a
+
+    panel = slider_panel(watched, a=(1, 4, 1))
+    [status] = [c for c in panel.children if STATUS_CLASS in c._dom_classes]
+    assert status.layout.display == "none" and panel.children[-1] is panel.out  # under the controls, above the output
+    next(c for c in panel.children if isinstance(c, w.IntSlider)).value = 3
+    assert seen == [(3, "", True)] and status.layout.display == "none" and panel.result == 3

@@ -470,6 +470,12 @@ def test_fit_plot_scales_to_the_bars_and_names_the_device_lines():
         scale = 2**30 if "GiB" in ax.get_ylabel() else 2**20
         tops = [p.get_y() + p.get_height() for p in ax.patches]
         assert max(tops) == pytest.approx(tallest / scale)  # the bars stack to the tallest phase's reserved bytes
+        for i, p in enumerate(r.phases):  # each phase's stack: its tensor bytes, topped by what is reserved besides
+            stack = [b for b in ax.patches if b.get_x() < i < b.get_x() + b.get_width()]
+            assert max(b.get_y() + b.get_height() for b in stack) == pytest.approx(max(p.reserved, p.tensors) / scale)
+            assert sum(b.get_height() for b in stack if b.get_facecolor()[:3] != (1, 1, 1)) == pytest.approx(
+                sum(p.breakdown.values()) / scale
+            )
         bottom, top = ax.get_ylim()
         assert bottom == 0 and tallest / scale <= top <= DEVICE_LINE_RANGE * 1.1 * tallest / scale
         legend = [t.get_text() for t in ax.get_legend().get_texts()]

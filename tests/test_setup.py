@@ -230,6 +230,7 @@ def test_jupyterlab_starts_with_a_passive_openmp_wait_policy_its_kernels_inherit
         started.append((argv, env))
         raise SystemExit(0)
 
+    monkeypatch.setattr(course, "learner_folder", lambda: tmp_path / "my-work")  # not the checkout's my-work/
     monkeypatch.setattr(course.os, "execve", execve)  # Windows has no exec: subprocess.run
     monkeypatch.setattr(course.subprocess, "run", lambda cmd, **kw: started.append((cmd, kw["env"])) or
                         subprocess.CompletedProcess(cmd, 0))  # fmt: skip
@@ -279,3 +280,31 @@ def test_setup_falls_back_to_pip_offline_outside_its_venv_and_when_uv_fails(tmp_
         calls.clear()
         course.setup(env, dev=False, gpu=False, wheelhouse=wheelhouse)
         assert calls == [*expected, ("pip", str(course.ROOT))], (uv_works, env.is_venv, wheelhouse)
+
+
+def test_lab_opens_copies_of_the_learner_notebooks_made_once_and_never_overwritten(tmp_path, monkeypatch):
+    learner_copies = load_script("learner_copies")
+    work = tmp_path / "my-work"
+    made = learner_copies.workspace(work)
+    names = sorted(p.name for p in (ROOT / "learner").glob("[0-9][0-9]_*.ipynb"))
+    assert [p.name for p in made] == names and len(names) >= 12
+    assert (work / names[0]).read_bytes() == (ROOT / "learner" / names[0]).read_bytes()
+    (work / names[0]).write_text("the learner's work")
+    (work / names[1]).unlink()  # a lesson added to learner/ since the first launch
+    assert [p.name for p in learner_copies.workspace(work)] == [names[1]]
+    assert (work / names[0]).read_text() == "the learner's work"
+    monkeypatch.setattr(learner_copies, "WORK", work)
+    monkeypatch.setitem(sys.modules, "learner_copies", learner_copies)  # what course.learner_folder imports
+    env = fake_env(tmp_path)
+    assert course.lab_command(env, executed=False, extra=[])[4] == str(work)
+    assert course.lab_command(env, executed=True, extra=[])[4] == str(ROOT / "notebooks")
+
+
+def test_git_ignores_the_learners_copies_and_whatever_running_them_writes():
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("NOT TESTED: not a git checkout")
+    learner_copies = load_script("learner_copies")
+    assert learner_copies.WORK == ROOT / "my-work"
+    paths = ["my-work/00_tour.ipynb", "my-work/.ipynb_checkpoints/00_tour-checkpoint.ipynb", "my-work/snap.pickle"]
+    ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True).stdout
+    assert ignored.split() == paths

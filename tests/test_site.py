@@ -47,9 +47,10 @@ def test_staging_takes_out_markers_stderr_and_widgets_and_leaves_a_note_for_a_pa
     before = json.dumps(nb)
     out = course_site.clean_notebook(nb, "99_title.ipynb")
     assert json.dumps(nb) == before, "the committed notebook's copy must not change"
-    title, buttons, marked, progress, panel = out["cells"]
+    title, buttons, rest, marked, progress, panel = out["cells"]
     assert "widgets" not in out["metadata"]
-    assert "](../references.md#top)" in title["source"]
+    assert title["source"] == "# 99 · A title\n"  # the header right under the title line, in the first screen
+    assert "](../references.md#top)" in rest["source"]
     colab, binder = course_site.launch_links("99_title.ipynb")
     assert f"]({colab})" in buttons["source"] and f"]({binder})" in buttons["source"]
     assert "learner/99_title.ipynb" in colab and "learner/99_title.ipynb" in binder
@@ -64,11 +65,11 @@ def test_staging_takes_out_markers_stderr_and_widgets_and_leaves_a_note_for_a_pa
     ("source", "page", "text", "expected"),
     [
         ("docs/instructor_guide.md", "instructor_guide.md", "[05](../notebooks/05_checkpointing.ipynb)",
-         "[05](lessons/05_checkpointing.ipynb)"),
+         "[05](learner/05_checkpointing.ipynb)"),
         ("docs/instructor_guide.md", "instructor_guide.md", "[key](answer_key.md#lesson-01)",
          "[key](answer_key.md#lesson-01)"),
-        ("notebooks/01_forward.ipynb", "lessons/01_forward.ipynb", "[tour](00_tour.ipynb)", "[tour](00_tour.ipynb)"),
-        ("notebooks/01_forward.ipynb", "lessons/01_forward.ipynb", "[refs](../docs/references.md)",
+        ("notebooks/01_forward.ipynb", "learner/01_forward.ipynb", "[tour](00_tour.ipynb)", "[tour](00_tour.ipynb)"),
+        ("notebooks/01_forward.ipynb", "learner/01_forward.ipynb", "[refs](../docs/references.md)",
          "[refs](../references.md)"),
         ("docs/references.md", "references.md", "[the model](../anatomy_helpers/core/model.py)",
          "[the model](https://github.com/{slug}/blob/{ref}/anatomy_helpers/core/model.py)"),
@@ -97,7 +98,7 @@ def built(tmp_path_factory):
 def test_the_site_builds_whole_from_this_checkout(built):
     assert course_site.check(built) == []
     for path in NOTEBOOKS:
-        page = (built / "lessons" / f"{path.stem}.html").read_text(encoding="utf-8")
+        page = (built / course_site.LESSONS / f"{path.stem}.html").read_text(encoding="utf-8")
         nb = json.loads(path.read_text(encoding="utf-8"))
         figures = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
         assert len(_page_images(page)) == figures, f"{path.name}: every figure of the notebook is on its page"
@@ -109,9 +110,42 @@ def test_the_site_builds_whole_from_this_checkout(built):
         assert "answer_key" not in page, f"{path.name}: the answer key is not linked from a lesson"
     index = (built / "index.html").read_text(encoding="utf-8")
     for path in NOTEBOOKS:
-        assert f'href="lessons/{path.stem}.html"' in index
+        assert f'href="{course_site.LESSONS}/{path.stem}.html"' in index
     assert (built / "answer_key.html").exists() and (built / "search.html").exists()
     assert "answer_key.html" in (built / "instructor_guide.html").read_text(encoding="utf-8")
+
+
+def _search_index(built: Path) -> dict:
+    text = (built / "searchindex.js").read_text(encoding="utf-8")
+    return json.loads(text[text.index("(") + 1 : text.rindex(")")])  # Search.setIndex({...})
+
+
+def _docs_in(value) -> set[int]:
+    """The document numbers a search-index entry points at (a number, a list of them, or [doc, anchor] pairs)."""
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, dict):
+        return set().union(*map(_docs_in, value.values())) if value else set()
+    if isinstance(value, list):
+        return {v[0] if isinstance(v, list) else v for v in value if isinstance(v, (int, list))}
+    return set()
+
+
+@pytest.mark.delivery
+def test_the_answer_key_is_in_no_navigation_and_no_search_only_the_instructor_guide_links_it(built):
+    """Searching "LoRA" showed "Answer key" second with an exercise's answer in the snippet: its words, title and
+    headings are out of the index, and no page but the instructor guide links to it."""
+    index = _search_index(built)
+    key = index["docnames"].index("answer_key")
+    assert index["titles"][key] == ""
+    for part in ("terms", "titleterms"):
+        assert not [w for w, docs in index[part].items() if key in _docs_in(docs)], part
+    assert not [t for t, docs in index["alltitles"].items() if key in _docs_in(docs)]
+    assert "LoRA" in (built / "answer_key.html").read_text(encoding="utf-8")  # the page itself is whole
+    assert [w for w in ("lora",) if w in index["terms"]], "the lessons' own words are still indexed"
+    for page in built.rglob("*.html"):
+        if page.name not in ("answer_key.html", "instructor_guide.html") and "_static" not in page.parts:
+            assert "answer_key" not in page.read_text(encoding="utf-8"), page.relative_to(built)
 
 
 @pytest.mark.delivery
@@ -130,6 +164,27 @@ def test_a_lesson_page_in_chromium_shows_its_title_a_figure_and_the_navigation(b
         pool.submit(_open_a_lesson_page, built, chromium, shots).result()
 
 
+JS_LESSON_PAGE = r"""() => {
+  const visible = (e) => { const r = e.getBoundingClientRect(); return r.width > 0 && r.height > 0 &&
+                           getComputedStyle(e).visibility !== 'hidden'; };
+  const article = document.querySelector('article');
+  const first = (text) => [...article.querySelectorAll('a')].find(a => a.textContent.trim() === text);
+  const inFirstScreen = (a) => !!a && a.getBoundingClientRect().bottom <= window.innerHeight;
+  const header = [...(document.querySelector('.bd-header-article') || document).querySelectorAll('a')];
+  const has = (sel) => !!document.querySelector(sel);
+  const launch = ['Open in Colab', 'Launch Binder', 'Download the notebook'];
+  return {
+    sideways: Math.max(0, document.documentElement.scrollWidth - window.innerWidth),
+    searchBoxes: [...document.querySelectorAll('.search-button-field, input[type=search]')].filter(visible).length,
+    launchInFirstScreen: launch.every(t => inFirstScreen(first(t))),
+    headerButtons: has('.bd-header-article a[href*="colab.research.google.com/github/"]')
+      && has('.bd-header-article a[href*="mybinder.org/v2/gh/"]')
+      && header.some(a => a.href.includes('/issues/new'))
+      && header.some(a => /github\.com\/[^/]+\/[^/]+\/?$/.test(a.href)),
+  };
+}"""
+
+
 def _open_a_lesson_page(built: Path, chromium: str, shots: Path) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -139,7 +194,7 @@ def _open_a_lesson_page(built: Path, chromium: str, shots: Path) -> None:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto((built / "lessons" / f"{lesson.stem}.html").as_uri())
+            page.goto((built / course_site.LESSONS / f"{lesson.stem}.html").as_uri())
             page.wait_for_load_state("load")
             assert page.locator("h1").first.inner_text().strip().rstrip("#").strip() == title
             figure = page.locator("img[src*='_images/']").first
@@ -150,7 +205,16 @@ def _open_a_lesson_page(built: Path, chromium: str, shots: Path) -> None:
             page.screenshot(path=str(shots / f"{lesson.stem}.png"))
             page.goto((built / "index.html").as_uri())
             page.screenshot(path=str(shots / "index.png"))
-            assert page.locator(f"a[href='lessons/{lesson.stem}.html']").count() >= 1
+            assert page.locator(f"a[href='{course_site.LESSONS}/{lesson.stem}.html']").count() >= 1
+            for nb in NOTEBOOKS:  # every lesson page, as a reader opens it in a laptop's window
+                page.goto((built / course_site.LESSONS / f"{nb.stem}.html").as_uri())
+                page.wait_for_load_state("load")
+                assert page.evaluate(JS_LESSON_PAGE) == {
+                    "sideways": 0,  # the page never scrolls sideways: wide outputs and tables scroll in their box
+                    "searchBoxes": 1,  # one search box (the theme's sidebar held a second)
+                    "launchInFirstScreen": True,  # Colab, Binder and the download under the title, not below
+                    "headerButtons": True,  # and in the theme's header, with the repository and issue buttons
+                }, nb.name
         finally:
             browser.close()
 
@@ -186,3 +250,28 @@ def test_each_panel_follows_a_figure_of_its_default_state(path):
     for before, cell in zip(code, code[1:]):
         if "slider_panel(" in "".join(cell["source"]):
             assert any("image/png" in o.get("data", {}) for o in before["outputs"]), "".join(cell["source"])
+
+
+def test_a_lesson_header_gives_its_time_prerequisites_launch_links_source_issue_and_date():
+    header = course_site.lesson_header("09_finetune.ipynb")
+    minutes = course_site.guide_minutes()
+    assert set(minutes) == {p.name[:2] for p in NOTEBOOKS}  # the instructor guide's table (lesson_times.py)
+    assert f"**About {minutes['09']} min** in a room" in header
+    assert "lessons [06](06_prediction.ipynb), [08](08_scaling.ipynb)" in header  # the earlier lessons it cites
+    colab, binder = course_site.launch_links("09_finetune.ipynb")
+    slug, ref = course_site.course_config()
+    for url in (colab, binder, f"https://raw.githubusercontent.com/{slug}/{ref}/learner/09_finetune.ipynb",
+                f"https://github.com/{slug}/blob/{ref}/notebooks/09_finetune.ipynb",
+                f"https://github.com/{slug}/issues/new?title=Lesson%2009%3A%20"):  # fmt: skip
+        assert f"]({url})" in header, url
+    assert f"version {course_site.version()}" in header and re.search(r"last updated \d{4}-\d\d-\d\d", header)
+    assert "lessons" not in course_site.lesson_header("00_tour.ipynb")  # the tour cites no earlier lesson
+
+
+def test_build_without_sphinx_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    real = course_site.importlib.util.find_spec
+    monkeypatch.setattr(course_site.importlib.util, "find_spec", lambda m: None if m == "sphinx" else real(m))
+    assert course_site.main(["build", "--out", str(tmp_path / "_site")]) == 2
+    err = capsys.readouterr().err
+    assert "needs Sphinx" in err and "-m pip install -r site/requirements.txt" in err
+    assert not (tmp_path / "_site").exists()

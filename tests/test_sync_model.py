@@ -107,6 +107,14 @@ def test_the_scaling_plot_has_one_line_per_strategy_and_units():
     assert colours[0] == STRATEGY_COLORS["ddp"] and colours[2] == STRATEGY_COLORS["tp_fsdp"]
     assert set(colours) <= set(OKABE_ITO) and len(set(colours)) == 3
     assert list(right.lines[0].get_ydata()) == [r.efficiency for r in curves["ddp"]]
+    # the plotted data is what the labels claim: per strategy the step, then its compute (forward + backward, the
+    # backward twice the forward), in ms, at each N
+    for (name, rows), step, compute in zip(curves.items(), left.lines[::2], left.lines[1::2], strict=True):
+        assert step.get_label() == f"{name}: step" and compute.get_label() == f"{name}: compute"
+        assert list(step.get_xdata()) == list(compute.get_xdata()) == [8, 64]
+        assert list(step.get_ydata()) == pytest.approx([r.step * 1e3 for r in rows])
+        assert list(compute.get_ydata()) == pytest.approx([3 * r.forward * 1e3 for r in rows])
+        assert all(r.backward == pytest.approx(2 * r.forward) and r.forward > 0 for r in rows)
     assert fig._repr_png_()[:4] == b"\x89PNG" and not plt.get_fignums()
 
 

@@ -337,7 +337,9 @@ def fit_panel_hf(
     seq_len: int = 1024,
 ):
     """The notebook's panel: will ``model``'s fine-tune (:func:`panel_fine_tune`) fit on ``device``, per rank of
-    ``world_size`` under ZeRO stage ``zero`` (0: DDP)? Prints the fit table, returns the plot."""
+    ``world_size`` under ZeRO stage ``zero`` (0: DDP)? Prints the fit table, returns the plot; its
+    ``panel_used`` holds the settings the dry run was made with, read from the fine-tune it built (the browser test
+    checks them against the controls)."""
     positions = hf_config(model).max_position_embeddings
     if seq_len > positions:
         raise ValueError(f"{model} has {positions:,} positions: a sequence of {seq_len:,} tokens does not fit in it")
@@ -350,4 +352,6 @@ def fit_panel_hf(
     ranks = f", per rank of {world_size} under {'DDP' if zero == 0 else f'ZeRO-{zero}'}" if world_size > 1 else ""
     fig = plot_fit(report, title=f"Will it fit? {report.label} on {report.device}{ranks}")
     fig.panel_numbers = (report.capacity, report.usable, report.fits)  # the verdict, for widgets.figure_digest
+    used = {"lora_rank": ft.lora_rank if ft.method == "lora" else 0, "batch_size": ft.batch_size, "seq_len": ft.seq_len}
+    fig.panel_used = used | ({"world_size": world_size, "zero": zero} if world_size > 1 else {"world_size": 1})
     return fig

@@ -8,7 +8,9 @@ then build the panel with :func:`slider_panel` in a cell marked NBVAL_IGNORE_OUT
 from __future__ import annotations
 
 import hashlib
+import html
 import inspect
+import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
@@ -28,7 +30,9 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     panel opens where the plain call left off; parameters without a control keep
     their defaults. Returns the widget (display it as the cell's value).
 
-    Each control's label is as wide as its text (ipywidgets' default 80 px cuts "micro batches" to "micro bat…"),
+    While ``fn`` runs, a line under the controls says the panel is measuring (hidden again, taking no room, when
+    it is done). Each control's label is as wide as its text (ipywidgets' default 80 px cuts "micro batches" to
+    "micro bat…"),
     and the controls wrap in rows above the output, so a panel of ten controls stays short enough to show with its
     figure in a 900 px high window.
     """
@@ -66,9 +70,18 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
         if name not in built and p.default is not inspect.Parameter.empty:
             built[name] = w.fixed(p.default)
 
+    labels = {name: built[name].description or name.replace("_", " ") for name in controls}
+    status = w.HTML(STATUS_TEXT, layout=w.Layout(display="none", width="100%"))  # shown only while it measures
+    status.add_class(STATUS_CLASS)
+
     def measured(**kwargs):
-        figure = fn(**kwargs)
-        _show_digest(fn.__name__, figure)
+        status.layout.display = ""  # a widget update reaches the page at once, while fn still runs
+        try:
+            figure = fn(**kwargs)
+        finally:
+            status.layout.display = "none"  # hidden again: it takes no room under the controls
+        used = {labels[k]: v for k, v in getattr(figure, "panel_used", {}).items() if k in labels}
+        _show_digest(fn.__name__, figure, used)
         return figure
 
     measured.__name__ = measured.__qualname__ = fn.__name__
@@ -79,7 +92,14 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     # controls side by side, wrapping at the notebook's width; the output on a row of its own below them
     panel.layout = w.Layout(flex_flow="row wrap", align_items="center")
     panel.out.layout.width = "100%"
+    panel.children = (*panel.children[:-1], status, panel.children[-1])  # the status line between controls and output
     return panel
+
+
+#: What a panel shows while it measures (a new setting's dry run can take seconds: lesson 09's 15-25 s), and its
+#: CSS class (the browser test finds it by it).
+STATUS_TEXT = "<i>measuring with the new setting&hellip; (a setting already measured comes back at once)</i>"
+STATUS_CLASS = "anatomy-panel-status"
 
 
 #: Widget labels as wide as their text (ipywidgets' own default is a fixed 80 px that truncates longer names).
@@ -123,14 +143,25 @@ def figure_digest(figure) -> str:
     return h.hexdigest()[:16]
 
 
-def _show_digest(name: str, figure) -> None:
-    """Display a hidden element with the panel's name and :func:`figure_digest` (only inside a kernel)."""
+def digest_html(name: str, figure, used: dict | None = None) -> str:
+    """The hidden element a panel writes after each run: its name, :func:`figure_digest`, and the values it used
+    (``{control label: value}``, from the figure's ``panel_used``: what the panel computed with, read from what it
+    built, so a panel that silently changes a setting, e.g. clamps a sequence length, reports the changed value;
+    the browser test checks each against its control's)."""
+    values = html.escape(json.dumps({k: str(v) for k, v in (used or {}).items()}), quote=True)
+    return (
+        f'<span class="{DIGEST_CLASS}" data-panel="{name}" data-digest="{figure_digest(figure)}" '
+        f'data-used="{values}" hidden></span>'
+    )
+
+
+def _show_digest(name: str, figure, used: dict | None = None) -> None:
+    """Display :func:`digest_html` (only inside a kernel)."""
     if not _in_kernel():
         return
     from IPython.display import HTML, display  # a notebook's display: not on import
 
-    digest = figure_digest(figure)
-    display(HTML(f'<span class="{DIGEST_CLASS}" data-panel="{name}" data-digest="{digest}" hidden></span>'))
+    display(HTML(digest_html(name, figure, used)))
 
 
 def _in_kernel() -> bool:
