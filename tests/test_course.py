@@ -233,6 +233,43 @@ def test_no_output_gives_an_exercises_answer_away_before_it_is_asked(nb):
     assert answers_shown_early(nb) == []
 
 
+def prediction_stops(nb: Path) -> list[str]:
+    """Exercise cells of ``nb`` that do not stop Run All at once: after `my_x = None`, the next statement must be
+    `require_prediction(my_x, ...)` (ui/exercises.py), before anything that could reveal the answer."""
+    missing = []
+    for cell in code_cells(nb):
+        lines = [ln for ln in "".join(cell["source"]).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        m = re.match(r"(my_\w+) = None$", lines[0]) if lines else None
+        if m and not (len(lines) > 1 and lines[1].startswith(f"require_prediction({m.group(1)}, ")):
+            missing.append(f"{nb.stem}: {lines[0]!r} is not followed by require_prediction({m.group(1)}, ...)")
+    return missing
+
+
+#: Lessons whose exercises stop Run All (#46); any other notebook that uses require_prediction must use it throughout.
+STOPPING = {"00", "01", "02", "03", "04", "05"}
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_exercise_stops_run_all_until_it_has_a_prediction(nb):
+    if nb.name[:2] in STOPPING or "require_prediction(" in nb.read_text(encoding="utf-8"):
+        assert prediction_stops(nb) == []
+
+
+def test_the_stop_check_finds_an_exercise_that_does_not_stop(tmp_path):
+    def code(src):
+        return {"cell_type": "code", "source": src, "outputs": [], "metadata": {}, "execution_count": None}
+
+    nb = tmp_path / "99_x.ipynb"
+    for src, found in (
+        ('my_x = None\nrequire_prediction(my_x, "peak")\ncheck_prediction("peak", my_x, m)', False),
+        ('my_x = None\n# a comment\nrequire_prediction(my_x, "peak")', False),
+        ('my_x = None\nm = measure()\nrequire_prediction(my_x, "peak")', True),
+        ('my_x = None\ncheck_prediction("peak", my_x, m)', True),
+    ):
+        nb.write_text(json.dumps({"cells": [code(src)]}))
+        assert bool(prediction_stops(nb)) == found, src
+
+
 def test_the_early_answer_check_finds_a_planted_answer(tmp_path):
     from anatomy_helpers.ui.exercises import METADATA_KEY
 
