@@ -7,8 +7,9 @@
 notebooks/ keeps the executed notebooks (CI compares their outputs; they are the version to read). The stored
 outputs would give the exercises away (a prediction is worth making only before the number is on the screen), so
 the Colab and Binder badges open these copies instead. A copy differs from its notebook only in: no outputs or
-execution counts, no widget state, a note under the title, and links to other files of the repository (../docs/...)
-pointing at GitHub, since on Colab the notebook sits alone. Standard library only: learners run --reset too.
+execution counts, no widget state, a note under the title, no `# NBVAL_...` marker lines (they are for the tests,
+which compare notebooks/, never these copies), and links to other files of the repository (../docs/...) pointing at
+GitHub, since on Colab the notebook sits alone. Standard library only: learners run --reset too.
 
 `lab` (scripts/course.py) opens copies of learner/ in my-work/ (:func:`workspace`: made on first launch, a new
 lesson's added later, never overwritten), which git ignores: a learner's runs and edits never dirty the checkout.
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 LEARNER = ROOT / "learner"
 NOTE_ID = "learner-copy-note"
+NBVAL_MARKER = re.compile(r"^# NBVAL_[A-Z_]+[ \t]*\n?", re.M)  # a whole comment line that tells nbval what to do
 REPO_LINK = re.compile(r"\]\(\.\./(?!notebooks/|learner/)([^)\s]+)\)")  # markdown links to files outside notebooks/
 LOCAL_IMAGE = re.compile(r"(!\[[^\]]*\]\()(?![a-z]+:|/)([^)\s]+)\)")  # a markdown image of a repository file
 
@@ -52,8 +54,9 @@ def note(name: str, slug: str, ref: str) -> dict:
     url = f"https://github.com/{slug}/blob/{ref}/notebooks/{name}"
     text = (
         "> **Learner copy.** Run the cells in order (or *Run → Run All Cells*). The outputs are cleared so that "
-        "the exercises don't give their answers away: write down your prediction before you run an exercise's "
-        f"cell. The same notebook with every output, to read or to check against afterwards: [notebooks/{name}]"
+        "the exercises don't give their answers away, and *Run All* stops at each exercise until you have put your "
+        "prediction in its cell: then run that cell and carry on with *Run → Run Selected Cell and All Below*. "
+        f"The same notebook with every output, to read or to check against afterwards: [notebooks/{name}]"
         f"({url}). To start over: *Edit → Clear Outputs of All Cells*, then *Kernel → Restart Kernel* (in a clone, "
         f"`python scripts/learner_copies.py --reset {name[:2]}` also undoes your edits)."
     )
@@ -73,6 +76,7 @@ def learner_copy(nb: dict, name: str, slug: str, ref: str) -> dict:
         if cell["cell_type"] == "code":
             cell["outputs"] = []
             cell["execution_count"] = None
+            cell["source"] = lines(NBVAL_MARKER.sub("", "".join(cell["source"])))
         elif cell["cell_type"] == "markdown":
             src = raw_images("".join(cell["source"]), slug, ref)
             cell["source"] = lines(REPO_LINK.sub(rf"](https://github.com/{slug}/blob/{ref}/\1)", src))

@@ -3,9 +3,10 @@
     python scripts/lesson_times.py              # the static counts and the estimate, as a Markdown table
     python scripts/lesson_times.py --execute    # also execute each notebook once (a copy) and time it
 
-The estimate is a model, not a measured walk-through: reading at 200 words per minute, plus 2 minutes per
-predict-then-measure exercise (predict, run, read the verdict), 3 minutes per slider panel (move two or three
-controls, read what changed) and the notebook's execution time. docs/instructor_guide.md carries the table (with
+The estimate is a model, not a measured walk-through: reading the main thread at 200 words per minute (the
+optional deep dives folded into "Under the hood" `<details>` blocks are not counted: a room skips them), plus 2
+minutes per predict-then-measure exercise (predict, run, read the verdict), 3 minutes per slider panel (move two or
+three controls, read what changed) and the notebook's execution time. docs/instructor_guide.md carries the table (with
 the execution times measured once on a 2-core laptop-class CPU) and its plan; tests/test_course.py checks that the
 table's counts are the notebooks' and that every slot of the plan is at least the estimate.
 """
@@ -29,6 +30,7 @@ WORDS_PER_MINUTE = 200
 EXERCISE_MIN = 2
 PANEL_MIN = 3
 WORD = re.compile(r"[A-Za-z0-9][\w'’-]*")
+FOLDED = re.compile(r"<details>.*?</details>", re.S)  # an optional deep dive, collapsed until a reader opens it
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ def counts(path: Path, execute_s: float = 0.0) -> LessonTime:
     """The static counts of one notebook (execution time as given)."""
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
-    words = sum(len(WORD.findall("".join(c["source"]))) for c in cells if c["cell_type"] == "markdown")
+    prose = [FOLDED.sub("", "".join(c["source"])) for c in cells if c["cell_type"] == "markdown"]
+    words = sum(len(WORD.findall(text)) for text in prose)
     exercises = sum(bool(re.search(r"^my_\w+ = None", src, re.M)) for src in code)
     panels = sum(src.count("slider_panel(") for src in code)
     return LessonTime(path.name[:2], words, len(code), exercises, panels, execute_s)

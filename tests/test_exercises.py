@@ -38,12 +38,14 @@ def test_ratio_units_and_bad_units():
         check_prediction("peak", 1, 1, unit="MB")
 
 
-def test_a_count_is_asked_in_words(capsys):
+def test_a_count_is_asked_and_graded_in_counts(capsys):
     check_prediction("segments", None, 3, unit="count", tolerance=0)
     assert "(in a plain count)" in capsys.readouterr().out
-    assert not check_prediction("segments", 2, 3, unit="count", tolerance=0).ok
+    assert not check_prediction("segments", 2, 0, unit="count", tolerance=0).ok
+    out = capsys.readouterr().out  # the distance of a count from 0 is a count, not a percentage
+    assert "you predicted 2, measured 0 -> off by 2, where only the exact answer counts" in out and "%" not in out
     assert check_prediction("segments", 3, 3, unit="count", tolerance=0).ok
-    assert "exact answer" in capsys.readouterr().out
+    assert "you predicted 3, measured 3 -> exactly. Well reasoned." in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,10 @@ def test_plots_are_course_figures(small_trace):
     rec = small_trace.allocation_record()
     fig = plot_allocator(replay(rec), small_trace)
     assert isinstance(fig, CourseFigure) and len(fig.axes) == 1 and "MiB" in fig.axes[0].get_ylabel()
+    assert "caching allocator" in fig.get_suptitle() and fig.axes[0].get_title() == ""  # a figure title: not clipped
+    widths = {line.get_label(): line.get_linewidth() for line in fig.axes[0].get_lines()}
+    allocated = next(w for label, w in widths.items() if label.startswith("allocated"))
+    assert allocated > 2 * widths["tracked tensor bytes (exact)"]  # the two nearly equal lines both stay visible
     sim = allocator_at(rec, len(rec) - 1)
     fig = plot_segment_map(sim, small_trace.alloc_category)
     assert len(fig.axes[0].get_yticklabels()) == sim.num_segments and fig.axes[0].get_title()
@@ -100,7 +104,7 @@ def test_segment_map_of_a_hand_made_record():
 
 def test_panels_print_and_plot(capsys):
     fig = allocator_panel(batch_size=2, steps=2, device="cpu", **SMALL)
-    assert fig.axes[0].get_title() == "batch 2: simulated reserved vs allocated"
+    assert fig.get_suptitle() == "batch 2: simulated reserved vs allocated"
     # SMALL's parameters (4 B x 105,920) and AdamW's two moments (8 B x 105,920) alone are 1.21 MiB: over a
     # 1 MiB budget by step 1's optimizer phase at the latest; 100 MiB holds every step many times over
     fig = budget_panel(budget_mib=1, batch_size=2, steps=2, device="cpu", **SMALL)

@@ -231,6 +231,14 @@ def test_plot_bytes_per_param_stacks_the_four_parts():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
     widths = sorted(round(p.get_width(), 6) for p in ax.patches)
     assert widths == sorted([4.0, 4.0, 8.0, 0.0, 2.0, 2.0, 12.0, 4.0])
+    # every label inside the frame: the textbook lines' above the first bar, the totals right of the longest bar
+    (x0, x1), (y_bottom, y_top) = ax.get_xlim(), ax.get_ylim()
+    marks = {t.get_text(): t.get_position() for t in ax.texts}
+    assert {"16 B", "20 B", "16.0", "20.0"} <= set(marks)
+    for text, (x, y) in marks.items():
+        assert x0 < x < x1 and y_top < y < y_bottom, text  # y is inverted: the first row on top
+    assert marks["16 B"][1] < -0.5  # above the first bar (at y = 0), not on it
+    assert marks["20.0"][0] + 1.5 < x1  # the longest total's label has room before the frame
     assert plt.get_fignums() == []
 
 

@@ -126,6 +126,10 @@ def test_optimizer_phase_panels_one_per_step(trace):
     fig = plot_optimizer_phase({"adamw": trace}, steps=(1, 2))
     assert [ax.get_title() for ax in fig.axes] == ["adamw: step 1", "adamw: step 2"]
     assert "MiB" in fig.axes[0].get_ylabel()
+    # one x label under the panels (each panel's own ran into its neighbour's); a single panel keeps its own
+    assert [ax.get_xlabel() for ax in fig.axes] == ["", ""] and "memory event" in fig.get_supxlabel()
+    single = plot_optimizer_phase(trace, steps=(2,))
+    assert "memory event" in single.axes[0].get_xlabel()
 
 
 def test_budget_plot_marks_the_failure_and_the_model_that_does_not_fit():

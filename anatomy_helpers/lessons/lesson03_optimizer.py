@@ -233,12 +233,12 @@ def plot_bytes_per_param(rows: list[BytesPerParam], title: str | None = None):
         left += vals
     for y, r in zip(ys, rows):
         ax.text(r.total + 0.2, y, f"{r.total:.1f}", va="center", fontsize=8)
-    for x in (16, 20):  # the textbook figures
+    for x in (16, 20):  # the textbook figures, labelled in a band above the first bar (inside the frame)
         ax.axvline(x, color="#555", linestyle=":", linewidth=0.8)
-        ax.text(x, -0.7, f"{x}", ha="center", va="bottom", fontsize=8, color="#555")
+        ax.text(x, -1.0, f"{x} B", ha="center", va="center", fontsize=8, color="#555", backgroundcolor="white")
     ax.set_yticks(ys, [r.label for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(22.0, float(left.max()) + 2))
+    ax.set_ylim(len(rows) - 0.5, -1.5)  # inverted: the first row on top, with the band for the labels above it
+    ax.set_xlim(0, max(23.0, float(left.max()) + 3))  # room for the totals' labels right of the longest bar
     ax.set_xlabel("bytes per parameter at the optimizer-phase peak")
     ax.set_title(title or f"Bytes per parameter, measured ({rows[0].num_params:,}-parameter model)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

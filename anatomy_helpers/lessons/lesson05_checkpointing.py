@@ -391,7 +391,10 @@ def check_policy_choice(
     print(f"{choice}: {run.summary()}")
     best = cheapest_fitting(rows, budget)
     if not run.passed:
-        print(f"{choice} does not fit: look at the step peaks in the table again.")
+        print(
+            f"{choice} does not fit: its step peak is over the budget. Which parts of a peak shrink with the batch, "
+            "and which stay (parameters, gradients at the peak, optimizer state)?"
+        )
         return False
     if best is not None and best.label != choice and best.flops < rows[policies.index(policy)].flops:
         print(f"{choice} fits, but another policy fits too with fewer extra FLOPs.")

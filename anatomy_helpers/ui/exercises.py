@@ -52,15 +52,27 @@ class Verdict:
                 f"{self.name}: no prediction yet. Put your number (in {self.unit_words}) in the variable above and "
                 f"re-run this cell; the {self.revealed} is revealed when you do."
             )
+        suffix = "" if self.unit == "count" else f" {self.unit}"  # a count is a plain number
+        if self.unit == "count":  # a count's distance is a count (a relative error of a 0 would mean nothing)
+            distance = (
+                "exactly" if self.predicted == self.measured else f"off by {abs(self.predicted - self.measured):,.4g}"
+            )
+        else:
+            distance = f"off by {self.relative_error:.1%}"
         head = (
-            f"{self.name}: you predicted {self.predicted:,.4g} {self.unit}, {SOURCES[self.source]} "
-            f"{self.measured:,.4g} {self.unit} -> off by {self.relative_error:.1%}"
+            f"{self.name}: you predicted {self.predicted:,.4g}{suffix}, {SOURCES[self.source]} "
+            f"{self.measured:,.4g}{suffix} -> {distance}"
         )
+        if self.tolerance == 0:
+            where = "" if self.ok else ", where only the exact answer counts"
+        else:
+            where = f", {'within' if self.ok else 'outside'} the {self.tolerance_text}"
+        head = f"{head}{where}"
         if self.ok:
-            return f"{head}, within the {self.tolerance_text}. Well reasoned."
+            return f"{head}. Well reasoned."
         if self.mistake is not None:
-            return f"{head}, outside the {self.tolerance_text}. Your number is a common wrong answer: {self.mistake}"
-        return f"{head}, outside the {self.tolerance_text}. Look again at what the {self.counted} counts."
+            return f"{head}. Your number is a common wrong answer: {self.mistake}"
+        return f"{head}. Look again at what the {self.counted} counts."
 
     def __repr__(self) -> str:
         # Shown when the verdict is a cell's last value: must not give the answer away.

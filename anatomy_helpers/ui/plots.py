@@ -264,7 +264,8 @@ def plot_optimizer_phase(traces: Trace | dict[str, Trace], steps: tuple[int, ...
         stack_categories(ax, xs, rows, scale)
         ax.set_xlim(0, max(len(xs) - 1, 1))
         ax.set_title(f"{label + ': ' if label else ''}step {s}", fontsize=10)
-        ax.set_xlabel("memory event in the optimizer phase")
+        if len(panels) == 1:
+            ax.set_xlabel("memory event in the optimizer phase")
         ax.text(
             0.02,
             0.97,
@@ -278,6 +279,8 @@ def plot_optimizer_phase(traces: Trace | dict[str, Trace], steps: tuple[int, ...
     axes[0].set_ylabel(f"live tensor memory ({unit})")
     axes[0].set_ylim(0, top / scale * 1.3)
     legend_of_all(axes, axes[-1])
+    if len(panels) > 1:  # one label under all panels: per panel, the long label ran into its neighbour's
+        fig.supxlabel("memory event in the optimizer phase (each panel its own)", fontsize=10)
     fig.suptitle(title or "The optimizer phase: optimizer.step() through zero_grad()")
     return fig
 
