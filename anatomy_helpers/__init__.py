@@ -18,7 +18,7 @@ from .tracking.recorder import MemoryBudgetExceeded
 from .tracking.trace import Trace
 from .tracking.tracker import StepTracker
 from .training.train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps, train_step
-from .ui.exercises import check_prediction
+from .ui.exercises import check_prediction, require_prediction
 
 # The figures and widgets load on first use (matplotlib and ipywidgets: about 0.8 s of CPU per process): each rank
 # process of a distributed world imports this package and never draws.
@@ -64,6 +64,7 @@ __all__ = [
     "plot_timeline",
     "plot_timelines",
     "progress",
+    "require_prediction",
     "seed_everything",
     "slider_panel",
     "storage_bytes",

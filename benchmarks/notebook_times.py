@@ -58,7 +58,7 @@ def selected(names: list[str]) -> list[Path]:
 
 def kernel_env(setting: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in OMP_KEYS}
-    env.update(SETTINGS[setting], CUDA_VISIBLE_DEVICES="", PYDEVD_DISABLE_FILE_VALIDATION="1")
+    env.update(SETTINGS[setting], CUDA_VISIBLE_DEVICES="", PYDEVD_DISABLE_FILE_VALIDATION="1", ANATOMY_AUTORUN="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return env
 

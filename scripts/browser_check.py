@@ -172,7 +172,8 @@ def jupyterlab(root_dir: Path, work: Path):
     shutil.copy(ROOT / "jupyter" / "lab-overrides.json", settings / "overrides.json")  # the course's settings
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(work / "user-settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"), PYDEVD_DISABLE_FILE_VALIDATION="1",
-               OMP_NUM_THREADS=os.environ.get("COURSE_KERNEL_THREADS", "1"))  # fmt: skip
+               OMP_NUM_THREADS=os.environ.get("COURSE_KERNEL_THREADS", "1"),
+               ANATOMY_AUTORUN="1")  # fmt: skip  # unattended: a prediction left at None stops nothing (exercises.py)
     # One thread per kernel: in the suite this runs beside another pytest worker on two cores, and memory numbers
     # do not depend on threads.
     env.pop("MPLBACKEND", None)  # the inline backend, as a learner has it

@@ -313,7 +313,7 @@ def run_tests(env: Env, extra: list[str], quick: bool = False) -> int:
         prepare_browser(env)
     test_env = openmp_env(
         dict(os.environ, CUDA_VISIBLE_DEVICES="", PYDEVD_DISABLE_FILE_VALIDATION="1", MPLBACKEND="Agg")
-    )  # the xdist workers and the nbval kernels inherit it
+    )  # the xdist workers and the nbval kernels inherit it (conftest.py adds ANATOMY_AUTORUN=1: see exercises.py)
     # nbval compares against the stored CPU outputs, so the suite runs on CPU even on a GPU machine;
     # scripts/gpu_check.py covers CUDA.
     # Two workers on two cores (pytest-xdist): the delivery tests wait on pip, kernels and a browser much of the time.

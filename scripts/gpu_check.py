@@ -71,6 +71,7 @@ def main() -> int:
     # tests/execute.py, not nbconvert: nbconvert's Output-widget stand-in can stall a panel cell for good under
     # Colab's ipywidgets 7 (see that file); run from notebooks/ as the notebooks expect. Each notebook has its own
     # kernel and CUDA context, so their memory figures do not mix when they run side by side.
+    os.environ["ANATOMY_AUTORUN"] = "1"  # unattended: a prediction left at None stops nothing (exercises.py)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for nb in notebooks:
             execute = [py, str(ROOT / "tests" / "execute.py"), str(out), str(nb)]

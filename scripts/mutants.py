@@ -737,7 +737,23 @@ MUTANTS = [
         "prediction/levers.py",
         "flops = math.inf if fix.extra_flops is None else round(fix.extra_flops, 3)",
         "flops = 0 if fix.extra_flops is None else round(fix.extra_flops, 3)",
-        ("tests/test_prediction.py::test_sdpa_is_offered_where_the_manual_attentions_scores_do_not_fit",),
+        ("tests/test_prediction.py::test_checkpointing_costs_flops_and_fixes_are_ranked",),
+    ),
+    Mutant(
+        "step.cpu-sdpa-flops-not-counted",
+        "training/step.py",
+        "return FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS)",
+        "return FlopCounterMode(display=False)",
+        ("tests/test_prediction.py::test_cpu_sdpa_flops_are_torchs_sdpa_formula",),
+    ),
+    Mutant(
+        "levers.verify-ignores-the-device",
+        "prediction/levers.py",
+        "device=device if capped else UNBOUNDED",
+        "device=UNBOUNDED",
+        (
+            "tests/test_levers.py::test_verify_levers_on_a_device_ranks_what_fits_there_first_and_nothing_when_the_step_fits",
+        ),
     ),
     # ---- the one will-it-fit (distributed/one_fit.py)
     Mutant(
@@ -746,6 +762,20 @@ MUTANTS = [
         "batch_size=rows * world_size,  # the global batch",
         "batch_size=rows,  # the global batch",
         ("tests/test_one_fit.py::test_the_course_gpt_per_rank_is_the_dry_run_of_its_sharded_rank",),
+    ),
+    Mutant(
+        "hf_fit.ddp-tracked-before-its-buckets-are-rebuilt",
+        "distributed/hf_fit.py",
+        "return 1 if zero >= 2 else 2",
+        "return 1",
+        ("tests/test_hf_fit.py::test_every_hf_dry_run_rank_equals_its_real_gloo_rank_byte_for_byte",),
+    ),
+    Mutant(
+        "cli.course-world-size-ignored",
+        "cli/main.py",
+        "per_rank = args.world_size > 1",
+        "per_rank = False",
+        ("tests/test_cli.py::test_predict_per_rank_is_the_one_fits_rank_0",),
     ),
     # ---- compiled code refused (tracking/compiled.py)
     Mutant(

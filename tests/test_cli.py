@@ -127,6 +127,49 @@ def test_predict_bad_options_exit_2_before_any_work(args, message, capsys, monke
     assert e.value.code == 2 and message in printed.err and printed.out == ""
 
 
+def test_predict_per_rank_is_the_one_fits_rank_0(capsys):
+    # issue #40: the course GPT's predict had no --world-size; per rank it now answers from the one per-rank engine,
+    # with the Python API's numbers
+    import json
+
+    from anatomy_helpers.core.model import ModelConfig
+    from anatomy_helpers.distributed.one_fit import will_it_fit as one_fit
+
+    assert main([*PREDICT_TINY, "--world-size", "2", "--zero", "1", "--gpu", "h100", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    cfg = ModelConfig(n_layer=1, d_model=32, n_head=2, seq_len=16)
+    report = one_fit(cfg, 4, device="h100", world_size=2, zero=1)
+    assert answer["phases"] == [
+        dict(step=p.step, phase=p.phase, tensor_bytes=p.tensors, reserved_bytes=p.reserved) for p in report.phases
+    ]
+    assert answer["world_size"] == 2 and answer["zero"] == 1 and "fake process group" in answer["note"]
+    assert answer["peak_breakdown_bytes"] == report.peak.breakdown and answer["verdict"] == report.verdict()
+    # ZeRO-1 shards the optimizer state: rank 0 holds about half of one device's
+    single = one_fit(cfg, 4, device="h100", world_size=2)
+    state = [r.peak.breakdown.get("optimizer_state", 0) for r in (report, single)]
+    assert 0 < state[0] < state[1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--zero", "2"], "--zero 2 shards across ranks: it needs --world-size > 1"),
+        (["--world-size", "2", "--fix"], "--fix is not modelled per rank"),
+        (["--world-size", "2", "--impl", "fused"], "--impl is not modelled per rank"),
+        (["--world-size", "2", "--optimizer", "sgd"], "--optimizer is not modelled per rank"),
+        (["--world-size", "0"], "--world-size: must be a positive integer"),
+    ],
+)
+def test_predict_per_rank_refuses_what_a_rank_does_not_model(args, message, capsys, monkeypatch):
+    import anatomy_helpers.distributed.one_fit as one_fit
+
+    monkeypatch.setattr(one_fit, "dry_run_rank", lambda *a, **k: pytest.fail("dry-ran a refused request"))
+    with pytest.raises(SystemExit) as e:
+        main([*PREDICT_TINY, *args])
+    printed = capsys.readouterr()
+    assert e.value.code == 2 and message in printed.err and printed.out == ""
+
+
 def test_predict_takes_a_sequence_longer_than_the_course_text(capsys):
     """A dry run needs no text: 32,768 positions (the course text has fewer tokens) are predicted, not refused;
     a real run of the same length is refused (test_bad_options_get_argparse_errors)."""

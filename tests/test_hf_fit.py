@@ -305,3 +305,28 @@ def test_one_verdict_when_the_tensors_fit_but_the_allocators_segments_do_not(tmp
     workspaces = unapplied_workspaces(get_device(report.capacity))  # a size: CUDA's rules are not applied
     assert report.allowance == CUDA_CONTEXT_BYTES + workspaces
     assert not report.close and f"the answer holds with {size_text(report.allowance)} more memory" in table
+
+
+@pytest.fixture(scope="module")
+def hf_gloo_ranks():
+    """Two real gloo ranks of a tiny Qwen2.5 LoRA fine-tune under each ZeRO stage, in one world."""
+    from anatomy_helpers.distributed.hf_fit import HFRankJob
+    from anatomy_helpers.distributed.world import run_world
+
+    return run_world([HFRankJob(QWEN, HF_GLOO_FT, zero) for zero in range(4)], 2, timeout_s=600)
+
+
+HF_GLOO_FT = FineTune(batch_size=1, seq_len=16, method="lora", lora_rank=4, lora_alpha=8)
+
+
+@pytest.mark.parametrize("zero", range(4))
+def test_every_hf_dry_run_rank_equals_its_real_gloo_rank_byte_for_byte(hf_gloo_ranks, zero):
+    # issue #40: only the course GPT's ranks were checked against real gloo ranks; a Hugging Face rank (the one
+    # per-rank engine's other trainee) now is too, under each ZeRO stage, rank by rank
+    from anatomy_helpers.distributed.fake_world import rank_differences
+
+    for rank in range(2):
+        real = hf_gloo_ranks[ZERO_STRATEGIES[zero]][rank]
+        fake = dry_run_hf_rank(QWEN, HF_GLOO_FT, 2, zero, rank).result
+        assert real.backend == "gloo" and fake.backend == "fake"
+        assert rank_differences(real, fake) == {}, (zero, rank)

@@ -285,6 +285,27 @@ def test_every_lever_that_lowers_the_peak_is_listed_without_the_dominant_filter(
             assert after >= trace.peak().bytes, lever.name
 
 
+def test_verify_levers_on_a_device_ranks_what_fits_there_first_and_nothing_when_the_step_fits():
+    # issue #40: with no device cap, levers that save a few bytes ranked by cost alone. On a device one byte short of
+    # the step's reserved memory, what fits comes first; on a device where the step already fits, nothing is ranked
+    from anatomy_helpers.prediction.devices import CUDA_CONTEXT_BYTES
+    from anatomy_helpers.prediction.fit import will_it_fit
+
+    cfg = ModelConfig(**LOGITS_BOUND)
+    uncapped = verify_levers(cfg, 4)[2]
+    need = will_it_fit(cfg, 4, device=10**12).peak.reserved
+    short = need - 1 + CUDA_CONTEXT_BYTES
+    _, _, capped = verify_levers(cfg, 4, device=short)
+    fits = [v.fix.fits for v in capped]
+    assert True in fits and False in fits and fits == sorted(fits, reverse=True)
+    # the same levers (of a family, such as the micro-batches, the first that fits: 1 x 4 on the device), reordered
+    assert {v.lever.family or v.lever.name for v in capped} == {v.lever.family or v.lever.name for v in uncapped}
+    assert [v.lever.name for v in capped] != [v.lever.name for v in uncapped]
+    for v in capped:  # each verdict is that lever's own fit on the device
+        assert v.fix.fits == (v.fix.report.peak.reserved <= short - CUDA_CONTEXT_BYTES)
+    assert verify_levers(cfg, 4, device=need + CUDA_CONTEXT_BYTES)[2] == []
+
+
 # ---- bitsandbytes' 8-bit AdamW (optional: the [levers] extra) --------------------------------------------------
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from anatomy_helpers import make_model, make_optimizer, track_steps
 from anatomy_helpers.core.model import GPT, ModelConfig
@@ -30,7 +29,7 @@ from anatomy_helpers.prediction.fixes import cheapest_fix, fixes_table
 from anatomy_helpers.prediction.flops import config_step_flops
 from anatomy_helpers.prediction.levers import EFFECTS, levers
 from anatomy_helpers.tracking.tracker import StepTracker
-from anatomy_helpers.training.step import gpt_loss
+from anatomy_helpers.training.step import flop_counter, gpt_loss
 from anatomy_helpers.ui.plots import DEVICE_LINE_RANGE, plot_fit
 
 from .conftest import SMALL
@@ -164,7 +163,7 @@ def test_micro_batch_bound_covers_real_gradient_accumulation():
 def _flops_under_autocast(cfg, batch_size, dtype):
     mode = FakeTensorMode()
     model = build_fake_model(lambda: GPT(cfg), mode)
-    with mode, FlopCounterMode(display=False) as counter:
+    with mode, flop_counter() as counter:
         with torch.autocast("cpu", dtype=dtype):
             loss = gpt_loss(model, course_batch(batch_size, cfg.seq_len))
         loss.backward()
@@ -177,6 +176,20 @@ def test_flops_need_no_recount_for_autocast_or_smaller_batches(changes):
     base = config_step_flops(cfg, 4)
     assert _flops_under_autocast(cfg, 4, torch.bfloat16) == _flops_under_autocast(cfg, 4, torch.float16) == base
     assert 2 * config_step_flops(cfg, 2) == 4 * config_step_flops(cfg, 1) == base  # linear in the batch
+
+
+@pytest.mark.parametrize("changes", [{}, {"block": "llama", "n_kv_head": 2}, {"checkpoint": "full"}, {"dropout": 0.1}])
+def test_cpu_sdpa_flops_are_torchs_sdpa_formula(changes):
+    # issue #40: FlopCounterMode has no formula for the CPU flash kernel, so sdpa's attention counted 0 FLOPs (the
+    # default model at batch 8: 19,420,151,808 against 21,030,764,544 for the manual attention's same matmuls).
+    # With torch's SDPA formulas registered, sdpa counts the manual attention's s x s matmuls plus the one that
+    # flash attention's backward recomputes (the scores), 2 B s^2 d FLOPs a layer
+    cfg = ModelConfig(**{**SMALL, **changes})
+    manual, flash = config_step_flops(cfg, 4), config_step_flops(dataclasses.replace(cfg, attn_impl="sdpa"), 4)
+    recomputed = 2 * 4 * cfg.seq_len**2 * cfg.d_model * cfg.n_layer
+    if cfg.dropout:  # the CPU flash kernel takes no dropout: torch runs the math kernel, the manual one's matmuls
+        recomputed = 0
+    assert flash - manual == recomputed
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "selective", "attention", "offload"])
@@ -210,7 +223,7 @@ def test_checkpointing_costs_flops_and_fixes_are_ranked():
             assert costs == counted + [None] * (len(costs) - len(counted))
             assert [round(c, 3) for c in counted] == sorted(round(c, 3) for c in counted)
     extra = {f.name: f.extra_flops for f in fixes}
-    assert extra.get("checkpoint=selective", None) is None and extra.get("sdpa attention", None) is None
+    assert extra.get("checkpoint=selective", None) is None  # element-wise recompute: FlopCounterMode counts none
     tokens, h, v = 4 * SMALL["seq_len"], SMALL["d_model"], cfg.vocab_size
     chunked = config_step_flops(ModelConfig(**SMALL, loss_chunk=8), 4)
     assert chunked / none - 1 == pytest.approx(2 * tokens * h * v / none)  # the head's matmul, recomputed
@@ -270,11 +283,14 @@ def test_sdpa_is_offered_where_the_manual_attentions_scores_do_not_fit():
         and offered.effect == "time only"
         and offered.report.label == will_it_fit(sdpa, 4, device=dev).label
     )
-    # ranked among the fitting changes that keep training; its FLOPs are not counted (no formula for the CPU
-    # flash kernel), so it follows the counted ones of its effect
-    assert offered.extra_flops is None
+    # its FLOPs are counted (torch's SDPA formula registered for the CPU flash kernel): backward recomputes the
+    # scores, one s x s matmul per layer, 2 B s^2 d FLOPs each
+    per_layer = 2 * 4 * cfg.seq_len**2 * cfg.d_model
+    assert offered.extra_flops == pytest.approx(cfg.n_layer * per_layer / config_step_flops(cfg, 4))
+    # ranked by that cost among the fitting changes that keep training
     at = fixes.index(offered)
-    assert all(fixes.index(f) < at for f in fixes if f.fits and not f.changes_training and f.extra_flops is not None)
+    keep = [f for f in fixes if f.fits and not f.changes_training]
+    assert all(fixes.index(f) < at for f in keep if f.extra_flops is not None and f.extra_flops < offered.extra_flops)
     assert all(fixes.index(f) > at for f in fixes if not f.fits or f.changes_training)
 
 

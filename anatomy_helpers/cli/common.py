@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 from ..core.checks import int_in, positive_int, positive_number
+from ..distributed.hf_fit import ZERO_STRATEGIES
 from ..prediction.devices import DEFAULT_GPU, DEVICES, gib_device
 from ..prediction.fit import IMPLEMENTATION_FLAGS
 from ..prediction.fixes import fixes_table
@@ -104,7 +105,8 @@ def print_fit(report, fixes, device, *, as_json: bool, fix: bool = False, **extr
 def add_fit_options(p: argparse.ArgumentParser) -> None:
     """The options both ``predict`` commands take: gradient accumulation, the optimizer's implementation, autocast,
     the device (a named GPU, :data:`~anatomy_helpers.prediction.devices.DEFAULT_GPU` unless given, or a size in
-    GiB), ``--json`` and ``--fix``."""
+    GiB), data parallelism (``--world-size``, ``--zero``: the answer is rank 0's, from the one per-rank engine),
+    ``--json`` and ``--fix``."""
 
     p.add_argument(
         "--micro-batches", type=positive_int_arg, default=1, help="gradient accumulation: micro-batches per step, "
@@ -122,8 +124,17 @@ def add_fit_options(p: argparse.ArgumentParser) -> None:
         help=f"the device (default: {DEFAULT_GPU}, a free Colab runtime's GPU)",
     )
     gpu.add_argument("--gpu-gib", type=positive_gib_arg, default=None, help="a device of this many GiB instead")
+    p.add_argument("--world-size", type=positive_int_arg, default=1, help="data-parallel ranks (default: 1)")
+    p.add_argument("--zero", type=int, choices=tuple(ZERO_STRATEGIES), default=None,
+                   help="ZeRO stage with --world-size > 1 (default: 0, DDP)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.add_argument("--fix", action="store_true", help="also dry-run and rank the candidate fixes (a dry run each)")
+
+
+def check_world_options(args) -> None:
+    """ValueError for ``--zero`` without ranks to shard across."""
+    if args.zero is not None and args.world_size == 1:
+        raise ValueError(f"--zero {args.zero} shards across ranks: it needs --world-size > 1")
 
 
 def device_of(args):

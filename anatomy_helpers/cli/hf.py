@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..distributed.hf_fit import ZERO_STRATEGIES, search_fix_hf, will_it_fit_hf
+from ..distributed.hf_fit import search_fix_hf, will_it_fit_hf
 from ..prediction.dryrun import DryRunError
 from ..prediction.fit import IMPLEMENTATION_FLAGS, usable_device
 from ..prediction.hf import ATTN_IMPLEMENTATIONS, DTYPES, SHIPPED, hf_config
 from ..prediction.hf_step import FINE_TUNE_OPTIMIZERS, FineTune
 from ..prediction.recipes import RECIPES, REFUSED, device_recipe
-from .common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit
+from .common import add_fit_options, check_world_options, device_of, fields_given, positive_int_arg, print_fit
 
 
 def build_hf_predict_parser() -> argparse.ArgumentParser:
@@ -59,9 +59,6 @@ def build_hf_predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
                    help="with --lora-rank: peft's target modules (default: all-linear)")  # fmt: skip
     p.add_argument("--freeze", nargs="+", metavar="PREFIX", help="freeze parameters named with these prefixes")
-    p.add_argument("--world-size", type=positive_int_arg, default=1, help="data-parallel ranks (default: 1)")
-    p.add_argument("--zero", type=int, choices=tuple(ZERO_STRATEGIES), default=None,
-                   help="ZeRO stage with --world-size > 1 (default: 0, DDP)")  # fmt: skip
     add_fit_options(p)
     return p
 
@@ -80,8 +77,7 @@ def _fine_tune(args, device) -> tuple[FineTune, str]:
         raise ValueError(
             f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches ({args.micro_batches})"
         )
-    if args.zero is not None and args.world_size == 1:
-        raise ValueError(f"--zero {args.zero} shards across ranks: it needs --world-size > 1")
+    check_world_options(args)
     if args.recipe is not None and (args.dtype or args.autocast):
         raise ValueError("--recipe sets --dtype and --autocast: give one or the other")
     foreach, fused = IMPLEMENTATION_FLAGS[args.impl] if args.optimizer != "adamw8bit" else (None, None)

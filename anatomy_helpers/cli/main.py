@@ -18,11 +18,20 @@ from matplotlib.backend_bases import FigureCanvasBase
 from ..core.checkpointing import CHECKPOINT_POLICIES
 from ..core.data import check_text_seq_len
 from ..core.model import ATTENTION_IMPLS, DTYPES, ModelConfig
+from ..distributed import one_fit
 from ..prediction.fit import MAX_LAYERS, FitRequest, will_it_fit
 from ..prediction.fixes import cheapest_fix
 from ..training.train import OPTIMIZERS, make_model, make_optimizer, pick_device, track_steps
 from ..ui.plots import plot_timeline
-from .common import add_fit_options, device_of, fields_given, positive_int_arg, print_fit, seed_arg
+from .common import (
+    add_fit_options,
+    check_world_options,
+    device_of,
+    fields_given,
+    positive_int_arg,
+    print_fit,
+    seed_arg,
+)
 from .hf import hf_predict_main
 
 
@@ -141,12 +150,37 @@ def predict_main(argv: list[str]) -> int:
         device = device_of(args)
         kw = dict(optimizer=args.optimizer, implementation=args.impl, autocast=args.autocast, device=device)
         FitRequest(cfg, args.batch_size, micro_batches=args.micro_batches, **kw).check()
+        check_world_options(args)
+        per_rank = args.world_size > 1
+        if per_rank:
+            _check_rank_options(args, argv)
     except ValueError as e:
         parser.error(str(e))
+    if per_rank:  # rank 0 of the sharded step, dry-run on torch's fake process group: the one per-rank engine
+        report = one_fit.will_it_fit(
+            cfg, args.batch_size, device=device, world_size=args.world_size, zero=args.zero,
+            micro_batches=args.micro_batches,
+        )  # fmt: skip
+        print_fit(report, [], device, as_json=args.json, world_size=args.world_size, zero=args.zero, note=report.note)
+        return 0
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
     fixes = cheapest_fix(cfg, args.batch_size, micro_batches=args.micro_batches, **kw) if args.fix else []
     print_fit(report, fixes, device, as_json=args.json, fix=args.fix)
     return 0
+
+
+def _check_rank_options(args, argv: list[str]) -> None:
+    """Per rank, the course GPT trains as lessons 08 and 11's ranks do (AdamW, fp32, torch's CPU default optimizer
+    implementation, no fix search): ValueError naming an option given that a rank's dry run does not take."""
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    refused = [o for o in ("--impl", "--autocast", "--fix") if o in given]
+    if args.optimizer != "adamw":
+        refused.insert(0, "--optimizer")
+    if refused:
+        raise ValueError(
+            f"with --world-size > 1 the course GPT's ranks train as lessons 08 and 11's do (AdamW, fp32, torch's "
+            f"default optimizer implementation; no --fix search): {', '.join(refused)} is not modelled per rank"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from ..core.checks import one_of, positive_int
@@ -53,13 +54,18 @@ from ..prediction.levers import EFFECTS, Fix, Lever, Setup, fine_tune_levers, ra
 from ..prediction.recipes import recipe_of
 from ..tracking.trace import Trace
 from .fake_world import FakeRun, check_rank_job, fake_rank
-from .ranks import RankJob, Trainee
+from .ranks import RankJob, Trainee, run_job
 
 #: ``zero`` stage -> lesson 08's strategy (distributed/ranks.py STRATEGIES).
 ZERO_STRATEGIES = {0: "ddp", 1: "zero1", 2: "fsdp2_zero2", 3: "fsdp2_zero3"}
-#: Untracked steps before the two tracked ones: FSDP2's all-gather buffers and the optimizer state exist (a rank's
-#: tracker watches the buffers FSDP2 resizes in place only once they exist).
-WARMUP = 1
+
+
+def warmup_steps(zero: int) -> int:
+    """Untracked steps before the two tracked ones under ZeRO stage ``zero``: after one, the optimizer state and
+    FSDP2's all-gather buffers exist (a rank's tracker watches the buffers FSDP2 resizes in place only once they
+    exist); DDP (stages 0 and 1) rebuilds its gradient buckets in its second step, holding the old and the new ones
+    for a moment (a real gloo rank measured it: tests/test_hf_fit.py), so its ranks warm up for two, as lesson 08's."""
+    return 1 if zero >= 2 else 2
 
 
 def hf_blocks(model: nn.Module) -> list[nn.Module]:
@@ -79,12 +85,50 @@ def hf_job(ft: FineTune, world_size: int, zero: int) -> tuple[RankJob, Trainee]:
     job = RankJob(
         ZERO_STRATEGIES[zero],
         steps=2,
-        warmup=WARMUP,
+        warmup=warmup_steps(zero),
         batch_size=world_size * ft.batch_size,
         micro_batches=ft.micro_batches,
     )
     cls, kwargs = hf_optimizer_spec(ft)
     return job, Trainee(hf_blocks, cls, kwargs, {"loss": hf_loss, "autocast": ft.autocast})
+
+
+@dataclass(frozen=True)
+class HFRankJob:
+    """A Hugging Face fine-tune run by real ranks (``world.run_world``: gloo processes), each rank as its dry run
+    (:func:`dry_run_hf_rank`) runs it: the same :func:`hf_job` and Trainee, a real model (``make_hf_model``, seeded)
+    and real batches (``hf_batch``: random tokens). What tests/test_hf_fit.py compares byte for byte with the dry run.
+    ``config``: a transformers config (small: every rank builds the real model)."""
+
+    config: object
+    ft: FineTune
+    zero: int = 0
+    world_size: int = 2
+
+    @property
+    def job(self) -> RankJob:
+        return hf_job(self.ft, self.world_size, self.zero)[0]
+
+    # what the runner reads of a job: its strategy (results are filed by it) and its rows (check_rows)
+    strategy = property(lambda self: self.job.strategy)
+    batch_size = property(lambda self: self.job.batch_size)
+    micro_batches = property(lambda self: self.job.micro_batches)
+    tp = 1
+
+    def run_rank(self, rank: int, world_size: int, device):
+        """This rank's part, inside the runner's process group: ``ranks.run_job`` with the real model and batches."""
+        if world_size != self.world_size:
+            raise ValueError(f"HFRankJob was made for {self.world_size} ranks, run on {world_size}")
+        job, trainee = hf_job(self.ft, world_size, self.zero)
+        whole = dataclasses.replace(self.ft, batch_size=job.batch_size)  # the global batch: each rank takes its rows
+
+        def build() -> nn.Module:
+            torch.manual_seed(0)  # every rank the same weights, as DDP's start-up broadcast would make them
+            return make_hf_model(self.config, self.ft)
+
+        plan = trainee.plan | {"batch": functools.partial(hf_batch, self.config.vocab_size, whole, fake=False)}
+        real = dataclasses.replace(trainee, plan=plan, build=build)
+        return run_job(job, rank, world_size, device, trainee=real)
 
 
 def _hf_rank(cfg, ft: FineTune, world_size: int, zero: int, rank: int) -> tuple[FakeRun, dict]:
@@ -103,8 +147,8 @@ def _hf_rank(cfg, ft: FineTune, world_size: int, zero: int, rank: int) -> tuple[
 
 def dry_run_hf_rank(model, ft: FineTune, world_size: int = 2, zero: int = 0, rank: int = 0) -> FakeRun:
     """Dry-run rank ``rank`` of ``world_size`` ranks fine-tuning ``model`` (anything hf.hf_config takes) as ``ft``
-    says under ZeRO stage ``zero``: :data:`WARMUP` untracked steps, then two tracked ones. Exact or refused as every
-    dry run: each op signature is checked against the real kernel, on the tiny twin (hf_step.twin_config) at the
+    says under ZeRO stage ``zero``: :func:`warmup_steps` untracked steps, then two tracked ones. Exact or refused as
+    every dry run: each op signature is checked against the real kernel, on the tiny twin (hf_step.twin_config) at the
     same world size where the call is too large to run here; DryRunError naming the op otherwise."""
 
     cfg = hf_config(model)
@@ -125,7 +169,7 @@ def rank_note(trace: Trace, world_size: int, zero: int) -> str:
     return (
         f"per rank of {world_size} under {ZERO_STRATEGIES[zero]} (ZeRO-{zero}): {parts} before the optimizer step; "
         f"a dry run of rank 0 of the sharded step on torch's fake process group, after "
-        f"{WARMUP} untracked warm-up step"
+        f"{warmup_steps(zero)} untracked warm-up step{'s' if warmup_steps(zero) > 1 else ''}"
     )
 
 

@@ -23,7 +23,7 @@ from ..prediction.fit import course_assumptions, trace_fit_report, usable_device
 from ..prediction.fit_report import FitReport
 from ..prediction.hf_step import FineTune
 from .fake_world import dry_run_rank
-from .hf_fit import WARMUP, ZERO_STRATEGIES, rank_note, will_it_fit_hf
+from .hf_fit import ZERO_STRATEGIES, rank_note, warmup_steps, will_it_fit_hf
 from .ranks import RankJob
 
 #: The rules a course GPT's rank follows: its dry run is on CPU kernels; cuda_rules.py's corrections are stated for
@@ -87,7 +87,7 @@ def _course_rank_fit(
         ZERO_STRATEGIES[stage],
         batch_size=rows * world_size,  # the global batch
         micro_batches=micro_batches,
-        warmup=WARMUP,
+        warmup=warmup_steps(stage),
         model=dataclasses.asdict(cfg),
     )
     trace = dry_run_rank(job, world_size).result.trace

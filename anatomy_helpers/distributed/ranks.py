@@ -276,12 +276,14 @@ class Trainee:
     """What a rank trains when not the course GPT (a Hugging Face fine-tune, distributed/hf_fit.py), the model being
     run_job's ``gpt``: ``blocks(model)``, the modules FSDP2 shards one by one before the root (the GPT's ``blocks``);
     ``optimizer(params, **optimizer_kwargs)`` over the parameters that train (ZeRO-1: the inner optimizer of
-    ZeroRedundancyOptimizer); ``plan``: more StepPlan fields of its step (``loss``, ``autocast``)."""
+    ZeroRedundancyOptimizer); ``plan``: more StepPlan fields of its step (``loss``, ``autocast``; a real rank's
+    ``batch`` too); ``build()``: a real rank's model, on the CPU (a dry run passes its fake one instead)."""
 
     blocks: Callable[[torch.nn.Module], list[torch.nn.Module]]
     optimizer: type
     optimizer_kwargs: dict
     plan: dict
+    build: Callable[[], torch.nn.Module] | None = None
 
 
 def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None, trainee: Trainee | None = None):
@@ -293,7 +295,9 @@ def _wrap(job: RankJob, device: torch.device, gpt=None, mesh=None, trainee: Trai
     fake mode); None: one dimension of all ranks, on this rank's device."""
 
     fake = gpt is not None
-    gpt = make_model(device=device, seed=0, **job.model) if gpt is None else gpt
+    if gpt is None:
+        built = trainee is not None and trainee.build is not None
+        gpt = trainee.build().to(device) if built else make_model(device=device, seed=0, **job.model)
     if trainee is not None and job.strategy not in STRATEGIES:
         raise ValueError(f"a Trainee runs under {tuple(STRATEGIES)}, not {job.strategy!r} (the course GPT's TP plan)")
     course = (torch.optim.AdamW, dict(lr=LR, weight_decay=WEIGHT_DECAY))  # train.make_optimizer's "adamw"

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..core.data import get_batch, seed_everything
 from ..core.tables import Col, format_table
@@ -27,7 +26,7 @@ from ..core.units import MiB, pick_unit
 from ..prediction.cuda import cuda_run_under_limit
 from ..tracking.trace import Trace
 from ..training.budget import try_budget
-from ..training.step import step_flops
+from ..training.step import flop_counter, step_flops
 from ..training.train import make_model, make_optimizer, track_steps
 from ..ui.plots import CourseFigure, plot_timeline
 
@@ -76,7 +75,7 @@ def policy_by_label(label: str, policies: list[Policy]) -> Policy:
 def forward_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, dict[str, int]]:
     """FLOPs of one forward by module (``"blocks.0"``, ``"blocks.0.mlp.proj"`` ... and ``"total"``) and op name
     (``"mm"``, ``"addmm"``, ``"bmm"`` ...; ``"all"`` sums them). A module's count includes its children's."""
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), flop_counter() as counter:
         model(x, y)
     out: dict[str, dict[str, int]] = {}
     for name, ops in counter.get_flop_counts().items():

@@ -10,9 +10,8 @@ from __future__ import annotations
 import copy
 
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
-from ..training.step import run_step
+from ..training.step import flop_counter, run_step
 from .dryrun import build_fake_model
 from .hf import hf_config
 from .hf_step import FineTune, as_real_run, hf_plan, make_hf_model, make_hf_optimizer
@@ -37,7 +36,7 @@ def _flops_of(cfg, ft: FineTune) -> int:
     mode = FakeTensorMode()
     model = build_fake_model(lambda: make_hf_model(cfg, ft), mode)
     plan = hf_plan(cfg.vocab_size, ft, fake=True, optimizer_step=False)
-    with mode, as_real_run([]), FlopCounterMode(display=False) as counter:
+    with mode, as_real_run([]), flop_counter() as counter:
         run_step(model, make_hf_optimizer(model, ft), plan, 0)
     return int(counter.get_total_flops())
 

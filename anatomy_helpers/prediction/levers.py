@@ -11,9 +11,9 @@ each lowers some categories of memory (``acts_on``) and costs something else: re
 * a step that already fits needs no change: :func:`cheapest_fix` ranks nothing (an empty list);
 * a candidate that does not lower the step's peak of tensor bytes is dropped, whatever else it does;
 * a recompute is counted in the extra FLOPs; a cost the count cannot see is not ranked as free: its extra FLOPs
-  are unknown (None) and it ranks after every counted lever of the same effect. Two such: the element-wise ops
+  are unknown (None) and it ranks after every counted lever of the same effect. One such: the element-wise ops
   that ``checkpoint=selective`` recomputes (``FlopCounterMode`` counts matrix multiplications and attention
-  kernels only), and sdpa's attention on the CPU dry run (no formula for the CPU flash kernel);
+  kernels only; sdpa's is counted, the CPU flash kernel included: ``training.step.flop_counter``);
 * :func:`verify_levers`' dominant-category filter narrows only the levers that change training (numerics, the
   global batch, the optimizer): those are tried where they act on the category holding the peak. A lever that
   keeps the maths (effect "time only") costs nothing but time, so it is always tried, and kept where the dry run
@@ -176,9 +176,8 @@ def levers(
     micro-batches) also gradient accumulation (2m, 4m, ... micro-batches dividing it: the same global batch) and
     a smaller global batch (the same micro-batch sizes, not accumulated). ``device`` picks the mixed precision
     (bf16, or fp16 + GradScaler below compute capability 8.0). The chunked loss's chunk: a quarter of a sequence."""
-    sdpa = "the CPU flash-attention kernel: FlopCounterMode has no formula for it"
-    out = [Lever("sdpa attention", ("activations",), "time only", f"no s x s scores kept (FLOPs: {sdpa})",
-                 {"attn_impl": "sdpa"}, uncounted=sdpa)]  # fmt: skip
+    out = [Lever("sdpa attention", ("activations",), "time only", "no s x s scores kept (backward recomputes them)",
+                 {"attn_impl": "sdpa"})]  # fmt: skip
     out += _accumulation(batch_size, micro_batches)
     scores_kept = cfg.attn_impl == "manual" or cfg.dropout > 0  # sdpa without dropout keeps no s^2 scores
     if scores_kept:
@@ -458,7 +457,13 @@ UNBOUNDED = 2**50
 
 
 def verify_levers(
-    cfg: ModelConfig, batch_size: int = 8, optimizer: str = "adamw", *, only_dominant: bool = True, **step
+    cfg: ModelConfig,
+    batch_size: int = 8,
+    optimizer: str = "adamw",
+    *,
+    only_dominant: bool = True,
+    device: str | Device | int | None = None,
+    **step,
 ) -> tuple[Trace, str, list[Verified]]:
     """Dry-run ``cfg`` as given, then each lever of the catalogue (:func:`levers`, with ``batch_size``: micro-batches
     and a smaller batch too); returns (the trace, the dominant category at its peak, the verified levers that lower
@@ -466,18 +471,28 @@ def verify_levers(
 
     ``only_dominant``: a lever that changes training is tried only where it acts on the dominant category; a lever
     that keeps the maths is always tried (see the module's ranking rules); ``False`` tries every lever.
+    ``device``: a GPU's short name, a :class:`~anatomy_helpers.prediction.devices.Device` or a size in bytes: each
+    lever is judged on it (its CUDA rules, its usable memory), so what fits ranks first and a step that already fits
+    there ranks nothing, as :func:`cheapest_fix`; None (the default) is a size no lesson's step reaches, on CPU
+    kernels' rules, so every lever that lowers the peak is listed by its cost.
     ``step``: ``in_backward``, ``fused``, ``foreach``, ``autocast`` of the original (the optimizer: torch's default
     on a CPU, single-tensor, unless ``fused`` or ``foreach``).
     """
     impl = "fused" if step.pop("fused", None) else "foreach" if step.pop("foreach", None) else "single"
-    request = FitRequest(cfg, batch_size, optimizer=optimizer, implementation=impl, device=UNBOUNDED, **step)
+    capped = device is not None
+    request = FitRequest(
+        cfg, batch_size, optimizer=optimizer, implementation=impl, device=device if capped else UNBOUNDED, **step
+    )
     dev = request.check()
     trace, _ = dry_run_and_replay(cfg, batch_size, optimizer, impl, request.autocast, request.in_backward)
     _, category = dominant(trace)
     base = fit_run(request, dev)
+    if capped and base.fits:
+        return trace, category, []  # it already fits on ``device``: nothing to rank
 
     def keep(lever: Lever) -> bool:
         return not only_dominant or lever.effect == "time only" or category in lever.acts_on
 
-    fixes = ranked(try_levers(request, dev, levers(cfg, batch_size=batch_size), keep), base)
+    catalogue = levers(cfg, batch_size=batch_size, micro_batches=request.micro_batches, device=dev if capped else None)
+    fixes = ranked(try_levers(request, dev, catalogue, keep), base)
     return trace, category, [Verified(f.lever, base.peak, f) for f in fixes]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..core.checks import int_in, one_of, optional_callable, positive_int, positive_number, rank_of_world
 from ..core.data import SEED_LIMIT, get_batch
@@ -348,17 +348,43 @@ def _check_in_backward(plan: StepPlan, scaler) -> None:
             )
 
 
+def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)  # torch's formula for the CUDA kernels
+
+
+def _cpu_flash_attention_backward_flops(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)  # scores recomputed: 5 bmm
+
+
+#: torch's own SDPA formulas (``flop_counter.py``'s ``sdpa_flop_count``, ``sdpa_backward_flop_count``) for the CPU
+#: flash-attention kernel, which ``FlopCounterMode`` registers none for: the same matmuls as the CUDA kernels.
+CPU_SDPA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    """torch's ``FlopCounterMode`` (not displayed) with :data:`CPU_SDPA_FLOPS`, so ``attn_impl="sdpa"`` on a CPU
+    counts its attention like the CUDA kernels do (causal masking not discounted, as torch counts it). The one
+    counter of the package."""
+    return FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS)
+
+
 def step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, early_stop: bool = True) -> int:
     """FLOPs of one forward + backward of ``model`` on ``(x, y)``, as torch's ``FlopCounterMode`` counts them.
 
-    The counter counts matrix multiplications and attention kernels (the ops that dominate a large model's
-    compute), not element-wise ops, and reads shapes only, so fake tensors count the same as real ones.
-    Checkpointing's recomputation is counted; the optimizer is not. ``early_stop=False`` makes a checkpoint
-    recompute its whole segment instead of stopping once it has remade every tensor backward needs
-    (``torch.utils.checkpoint.set_checkpoint_early_stop``; True is torch's default). The gradients are dropped again.
+    The counter (:func:`flop_counter`) counts matrix multiplications and attention kernels (the ops that dominate a
+    large model's compute; CPU flash attention too), not element-wise ops, and reads shapes only, so fake tensors
+    count the same as real ones. Checkpointing's recomputation is counted; the optimizer is not.
+    ``early_stop=False`` makes a checkpoint recompute its whole segment instead of stopping once it has remade every
+    tensor backward needs (``torch.utils.checkpoint.set_checkpoint_early_stop``; True is torch's default). The
+    gradients are dropped again.
     """
     plan = StepPlan(batch_size=x.shape[0], batch=lambda _: (x, y), optimizer_step=False, read_loss=False)
-    with set_checkpoint_early_stop(early_stop), FlopCounterMode(display=False) as counter:
+    with set_checkpoint_early_stop(early_stop), flop_counter() as counter:
         run_step(model, None, plan, 0)  # the one step, stopped after backward: no optimizer needed
     model.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
