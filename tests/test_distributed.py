@@ -229,3 +229,17 @@ def test_a_fake_rank_equals_each_real_rank_byte_for_byte(world, strategy):
     for rank in range(WORLD):
         fake = dry_run_rank(RankJob(strategy, steps=1, batch_size=4, model=SMALL), WORLD, rank).result
         assert rank_differences(world[strategy][rank], fake) == {}, (strategy, rank)
+
+
+def test_rank_timelines_put_one_rank_of_each_strategy_side_by_side(world):
+    """Lesson 08 draws rank 0 of each strategy (the ranks hold the same): the strategies fill two columns, row by
+    row, so the figure is as wide as the two-rank one and its legend is not cut off."""
+    from anatomy_helpers.lessons.lesson08_scaling import plot_rank_timelines
+
+    fig = plot_rank_timelines({s: ranks[:1] for s, ranks in world.items()})
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    places = [(ax.get_subplotspec().rowspan.start, ax.get_subplotspec().colspan.start) for ax in shown]
+    assert places == [(k // 2, k % 2) for k in range(len(world))]  # in the strategies' order, two a row
+    assert [ax.get_title() for ax in shown] == [f"{s}, rank 0" for s in world]
+    assert fig.get_size_inches()[0] == pytest.approx(plot_rank_timelines(world).get_size_inches()[0])
+    assert fig.get_size_inches()[0] * 100 <= NOTEBOOK_COLUMN_PX

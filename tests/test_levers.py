@@ -503,3 +503,36 @@ def test_save_on_cpu_with_pinned_memory_copies_even_a_cpu_tensor():
         y = x.sin()
     saved = y.grad_fn._saved_self
     assert saved.data_ptr() != x.data_ptr() and torch.equal(saved, x)
+
+
+def test_lesson10_lists_the_levers_that_save_a_share_of_the_peak_and_names_the_rest():
+    """sdpa saves a few bytes on the optimizer-bound step (its attention scores are tiny): lesson 10 leaves it out of
+    the table, where it would read "saves 0.00 MiB", and keeps every lever that saves 0.5 % of the peak or more."""
+    from anatomy_helpers.lessons.lesson10_optimizations import worth_listing
+
+    _, _, verified = verify_levers(ModelConfig(**OPTIMIZER_BOUND), 1)
+    listed, left_out = worth_listing(verified)
+    assert listed + left_out == sorted(verified, key=lambda v: v in left_out) and listed and left_out
+    peak = verified[0].before.tensors
+    assert all(v.saved >= 0.005 * peak for v in listed) and all(0 < v.saved < 0.005 * peak for v in left_out)
+    assert [v.lever.name for v in left_out] == ["sdpa attention"]
+    assert "optimizer step in backward" in [v.lever.name for v in listed]
+    assert worth_listing(verified, 0.0) == (verified, [])
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="share of the peak"):
+            worth_listing(verified, bad)
+
+
+def test_the_step_in_backward_peaks_in_an_optimizer_phase_inside_backward():
+    """With the optimizer step in backward, the tracker marks each parameter's step as an optimizer phase between
+    backward's pieces: the peak's phase reads "optimizer", and backward still runs after it in the same step."""
+    from anatomy_helpers.lessons.lesson10_optimizations import in_backward_peak
+
+    model = make_model(device="cpu", **OPTIMIZER_BOUND)
+    fused = track_steps(model, make_optimizer(model, "adamw", in_backward=True), 2, 1)
+    where = in_backward_peak(fused)
+    step2 = [ph.phase for ph in fused.phases() if ph.step == where.step]
+    assert where.optimizer_pieces == step2.count("optimizer") > 1
+    assert where.phase == "optimizer" and where.backward_after  # an optimizer piece, with backward still to run
+    _, _, plain = trained(2)
+    assert not in_backward_peak(plain).backward_after and in_backward_peak(plain).optimizer_pieces == 1

@@ -120,6 +120,31 @@ def test_multi_panel_legend_lists_every_category_any_panel_draws(trace):
     assert listed == [c.replace("_", " ") for c in CATEGORIES if c.replace("_", " ") in listed]  # in CATEGORIES order
 
 
+def test_phases_too_narrow_to_name_are_shaded_and_the_legend_names_the_shading(trace):
+    """The optimizer step in backward cuts backward into many narrow phases: their names would run together, so
+    only phases wide enough are named, and the legend says what each shade is; the peak's label turns left near the
+    right edge, where the legend sits."""
+    from anatomy_helpers import plot_timelines
+    from anatomy_helpers.ui.plots import MIN_NAMED_SHARE, PHASE_SHORT
+
+    model = make_model(device="cpu", **SMALL)
+    fused = track_steps(model, make_optimizer(model, "adamw", in_backward=True), steps=2, batch_size=2)
+    ax = plot_timeline(fused).axes[0]
+    lo, hi = ax.get_xlim()
+    names = sorted(t.get_position()[0] for t in ax.texts if t.get_text() in PHASE_SHORT.values())
+    narrow = [ph for ph in fused.phases() if ph.phase != "idle" and ph.end - ph.start + 1 < MIN_NAMED_SHARE * (hi - lo)]
+    assert narrow and len(names) < len([ph for ph in fused.phases() if ph.phase != "idle"])  # some left unnamed
+    assert all(b - a >= MIN_NAMED_SHARE * (hi - lo) / 2 for a, b in zip(names, names[1:]))  # no two run together
+    assert "shading: backward" in [t.get_text() for t in ax.get_legend().get_texts()]
+    both = plot_timelines({"plain": trace, "in backward": fused})
+    legend = [a.get_legend() for a in both.axes if a.get_legend() is not None][0]
+    assert "shading: optimizer" in [t.get_text() for t in legend.get_texts()]
+    for a in both.axes:
+        peak = [t for t in a.texts if t.get_text().startswith("peak ")][0]
+        right = peak.xy[0] > lo + 0.7 * (a.get_xlim()[1] - lo)
+        assert (peak.get_horizontalalignment() == "right") == right and (peak.xyann[0] < 0) == right
+
+
 def test_optimizer_phase_panels_one_per_step(trace):
     from anatomy_helpers.ui.plots import plot_optimizer_phase
 

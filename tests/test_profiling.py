@@ -328,3 +328,34 @@ def test_record_gpu_reference_trims_stacks():
     trimmed = _script().trim_frames(snap, 2)
     assert trimmed["segments"][0]["blocks"][0]["frames"] == frames[:2]
     assert trimmed["device_traces"][0][0]["frames"] == frames[:2]
+
+
+def test_op_averages_leaves_out_python_frames_such_as_a_background_threads_wait():
+    """with_stack=True turns Python functions into rows; a thread that only waits (a notebook kernel's select or
+    sleep) would top the table by self CPU time. op_averages keeps the ops and the ranges, and the table prints."""
+    import threading
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from anatomy_helpers.lessons.lesson07_profiling import op_averages
+
+    def wait():
+        time.sleep(0.05)
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        (a @ a).sum()
+        waiter.join()
+    every = [e.key for e in prof.key_averages()]
+    kept = op_averages(prof)
+    assert any("sleep" in k or ".py(" in k for k in every)  # the frames are there to leave out
+    assert "aten::mm" in [e.key for e in kept]
+    assert not any(".py(" in e.key or e.key.startswith("<built-in") for e in kept)
+    assert {e.key for e in kept} == {k for k in every if ".py(" not in k and not k.startswith("<built-in")}
+    assert "aten::mm" in kept.table(sort_by="self_cpu_time_total", row_limit=5)
+    assert "Self CPU Mem" in kept.table(sort_by="self_cpu_memory_usage", row_limit=5)  # memory columns kept
+    shaped = op_averages(prof, group_by_input_shape=True)
+    assert "aten::mm" in {e.key for e in shaped} and not any(".py(" in e.key for e in shaped)

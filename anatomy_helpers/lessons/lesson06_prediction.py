@@ -102,8 +102,8 @@ def sweep_table(comparisons: list[MethodComparison]) -> str:
 
 
 def plot_predicted_vs_measured(comparisons: list[MethodComparison], title: str | None = None):
-    """Predicted step peak (dry run, closed form) against the measured one, with the y = x line, and the closed
-    form's error per configuration."""
+    """Predicted step peak (dry run, closed form) against the measured one, with the y = x line, and each method's
+    miss in bytes per configuration, written beside its marker (a zero is drawn as a zero, not as an empty axis)."""
     fig = CourseFigure(figsize=(FIGURE_WIDTH_IN, 4), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     measured = np.array([c.peaks[0] for c in comparisons]) / MiB
@@ -117,13 +117,24 @@ def plot_predicted_vs_measured(comparisons: list[MethodComparison], title: str |
     ax.set_ylabel("predicted step peak (MiB)")
     ax.legend(fontsize=8)
     ax.set_title("Predicted vs measured", fontsize=10)
-    errors = np.array([100 * c.closed_form_error for c in comparisons])
-    ax2.barh(np.arange(len(errors)), errors, color=CATEGORY_COLORS["activations"])
-    ax2.set_yticks(np.arange(len(errors)), [c.label for c in comparisons], fontsize=7)
+    ys = np.arange(len(comparisons))
+    misses = {"dry run": [c.peaks[1] - c.peaks[0] for c in comparisons]}
+    misses["closed form"] = [c.peaks[2] - c.peaks[0] for c in comparisons]
+    widest = max(1024, *(abs(b) for bs in misses.values() for b in bs))  # at least +-1 KiB, so 0 sits mid-axis
+    styles = {"dry run": ("o", "none", CATEGORY_COLORS["parameters"], -0.15)}
+    styles["closed form"] = ("o", CATEGORY_COLORS["activations"], CATEGORY_COLORS["activations"], 0.15)
+    for name, values in misses.items():
+        marker, face, edge, dy = styles[name]
+        ax2.scatter(values, ys + dy, marker=marker, facecolors=face, edgecolors=edge, s=40, label=name)
+        for v, y in zip(values, ys + dy):
+            ax2.text(v + 0.1 * widest, y, f"{v:+,d} B" if v else "0 B", va="center", fontsize=7, color=edge)
+    ax2.set_yticks(ys, [c.label for c in comparisons], fontsize=7)
     ax2.invert_yaxis()
+    ax2.set_xlim(-widest * 1.2, widest * 1.6)
     ax2.axvline(0, color="black", linewidth=0.8)
-    ax2.set_xlabel("closed form error vs measured (%)")
-    ax2.set_title("Closed form error (the dry run's is 0)", fontsize=10)
+    ax2.set_xlabel("predicted - measured step peak (bytes)")
+    ax2.legend(fontsize=7, loc="lower right")
+    ax2.set_title("How far each prediction missed", fontsize=10)
     if title:
         fig.suptitle(title, fontsize=11)
     return fig

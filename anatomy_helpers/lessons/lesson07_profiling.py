@@ -127,6 +127,17 @@ class OpRow:
     self_time_us: float
 
 
+def op_averages(prof, group_by_input_shape: bool = False):
+    """``prof.key_averages(group_by_input_shape=...)`` without the Python-function rows ``with_stack=True`` adds
+    (``file.py(line): name``, ``<built-in ...>``): in a notebook they include the kernel's own background threads (a
+    ``select`` waiting on its sockets, a ``sleep``), which would top a table sorted by time without being part of
+    the step. Returns an ``EventList``: its ``.table(sort_by=..., row_limit=...)`` prints as ``key_averages()``'
+    does (the same list, with its settings, cut down in place)."""
+    averages = prof.key_averages(group_by_input_shape=group_by_input_shape)
+    averages[:] = [e for e in averages if ".py(" not in e.key and not e.key.startswith("<built-in")]
+    return averages
+
+
 def phase_ops(prof, spans: Sequence[PhaseSpan]) -> list[OpRow]:
     """Every ``aten::`` op of a finished profile, counted per (step, phase, name) of the span it starts in.
 

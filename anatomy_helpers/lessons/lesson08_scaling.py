@@ -265,17 +265,20 @@ def plot_rank_timelines(results: dict[str, list[RankResult]], strategies=None, *
 
     strategies = list(strategies or results)
     ranks = len(results[strategies[0]])
-    columns = min(ranks, RANK_COLUMNS)
+    one_each = ranks == 1 and len(strategies) > 1  # one rank of each strategy: the strategies side by side
+    columns = min(len(strategies) if one_each else ranks, RANK_COLUMNS)
     rows_each = -(-ranks // columns)
+    panel_rows = -(-len(strategies) // columns) if one_each else rows_each * len(strategies)
     # 4 in a panel and the legend below them: two panels fit a 1280 px window's notebook column (844 px) unshrunk
-    fig = CourseFigure(figsize=(4 * columns, 2.1 * rows_each * len(strategies) + 1.4), layout="constrained")
-    axes = fig.subplots(rows_each * len(strategies), columns, squeeze=False)
+    fig = CourseFigure(figsize=(4 * columns, 2.1 * panel_rows + 1.4), layout="constrained")
+    axes = fig.subplots(panel_rows, columns, squeeze=False)
     top = max(r.trace.timeline.total.max() for s in strategies for r in results[s])
     unit, scale = pick_unit(top)
     marked: dict[str, set[str]] = {}  # marker kind -> the ops it marked
     for i, s in enumerate(strategies):
         for j, r in enumerate(results[s]):
-            ax = axes[i * rows_each + j // columns, j % columns]
+            k = i if one_each else i * rows_each * columns + j  # the panel's place, row by row
+            ax = axes[k // columns, k % columns]
             plot_timeline(r.trace, ax=ax, x=x, title=f"{s}, rank {r.rank}", annotate_peak=False)
             ax.set_ylim(0, top / scale * 1.25)
             for text in list(ax.texts):

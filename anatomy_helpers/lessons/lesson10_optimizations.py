@@ -257,6 +257,39 @@ def format_verified(category: str, verified) -> str:
     return format_table(cols, table, note=f"(levers lowering a peak dominated by {category}; {unit}; dry runs)")
 
 
+def worth_listing(verified, fraction: float = 0.005) -> tuple[list, list]:
+    """``verify_levers``' ranking split into the levers that save at least ``fraction`` of the peak (listed) and
+    those that save less (a few bytes: ``sdpa`` on a step without attention scores to speak of), which a table in
+    MiB would show as saving 0.00. Returns (listed, left out), each in the ranking's order."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"fraction is the share of the peak a lever must save, in [0, 1): got {fraction!r}")
+    listed = [v for v in verified if v.saved >= fraction * v.before.tensors]
+    return listed, [v for v in verified if v not in listed]
+
+
+@dataclass(frozen=True)
+class InBackwardPeak:
+    """Where the peak of a step run with the optimizer step in backward lies (sample indices of its trace)."""
+
+    step: int
+    phase: str  # the tracker's phase at the peak: "optimizer" when one parameter's step is running
+    optimizer_pieces: int  # how many optimizer phases the tracker marked in that step (one per parameter stepped)
+    backward_after: bool  # a backward phase of the same step runs after the peak: the peak is inside backward
+
+
+def in_backward_peak(trace: Trace) -> InBackwardPeak:
+    """The peak of ``trace`` (a step with ``OptimizerInBackward``): the tracker marks each parameter's step, run from
+    backward, as an optimizer phase between backward's pieces, so "peak in optimizer" can lie inside backward."""
+    pk = trace.peak()
+    pieces = [ph for ph in trace.phases() if ph.step == pk.step]
+    return InBackwardPeak(
+        pk.step,
+        pk.phase,
+        sum(ph.phase == "optimizer" for ph in pieces),
+        any(ph.phase == "backward" and ph.start > pk.index for ph in pieces),
+    )
+
+
 def loss_gap(cfg: dict, names: tuple[str, ...], steps: int = 30, batch_size: int = 8) -> dict[str, list[float]]:
     """The loss of ``steps`` untracked steps of ``cfg`` with each optimizer ``name`` (same seed, same batches)."""
 

@@ -203,24 +203,27 @@ class FitReport:
         view): the phases, the usable memory and the verdict, with a pointer to the whole answer."""
         unit, scale = pick_unit(max(p.reserved for p in self.phases))  # the rows' unit suits the step, not the GPU
         cols = [Col("step", 4), Col("phase", 9, align="<", gap="  "), Col("tensors", 9, ".2f")]
-        cols += [Col("reserved", 9, ".2f"), Col("tensors fit", 11), Col("allocator", 9)]
+        cols += [Col("reserved", 9, ".2f"), Col("tensors fit", 11), Col("allocator (decides)", 19)]
         order = [(p.step, p.phase) for p in self.phases]
         ran_out = order.index(self.failure) if self.failure in order else 0
 
+        def reached(i: int) -> bool:  # a phase after the one that ran out never runs: neither column answers for it
+            return self.failure is None or i <= ran_out and self.failure in order
+
         def capped(i: int) -> str:
-            if self.failure is None or i < ran_out:
-                return "ok"
-            return "RUNS OUT" if i == ran_out and self.failure in order else "-"
+            if not reached(i):
+                return "-"
+            return "RUNS OUT" if self.failure is not None and i == ran_out else "ok"
 
         rows = [
-            (p.step, p.phase, p.tensors / scale, p.reserved / scale, "yes" if p.tensors <= self.usable else "NO",
-             capped(i))
+            (p.step, p.phase, p.tensors / scale, p.reserved / scale,
+             ("yes" if p.tensors <= self.usable else "NO") if reached(i) else "-", capped(i))
             for i, p in enumerate(self.phases)
         ]  # fmt: skip
         if brief:
             usable = f"usable on {self.device}: {size_text(self.usable)} (print the report: how, and assumptions)"
             footer = [usable, self.verdict(detail=False), *([self.note] if self.note else [])]
-            return format_table(cols, rows, note=f"({unit})", footer=footer)
+            return format_table(cols, rows, note=f"({unit}; -: not reached)", footer=footer)
         kept = (
             f"; the allocator replay is capped {size_text(self.reserved_extra)} lower, kept for the "
             "accumulated gradients and the whole batch's inputs"
@@ -242,6 +245,7 @@ class FitReport:
             footer.append(self.note)
         note = (
             f"({unit}; reserved: the simulated caching allocator without a cap, at the phase's tensor peak; "
-            "allocator: the same capped at the usable memory, which decides; -: not reached)"
+            "allocator: the same capped at the usable memory, which decides; -: not reached, after the phase that "
+            "ran out)"
         )
         return format_table(cols, rows, note=note, footer=footer)

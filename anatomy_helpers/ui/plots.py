@@ -123,17 +123,18 @@ def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None 
     xs = np.arange(len(tl)) if x == "event" else tl.time_s * 1e3
     stack_categories(ax, xs, tl.bytes, scale)
     top = tl.total.max() / scale * 1.18
-    _shade_phases(ax, trace, xs, top)
+    unnamed = _shade_phases(ax, trace, xs, top)
     if annotate_peak:
         pk = trace.peak()
         px, py = xs[pk.index], pk.bytes / scale
         ax.plot([px], [py], marker="v", color="black", markersize=6)
+        right = px > xs[0] + 0.7 * (xs[-1] - xs[0])  # near the right edge: the label goes left, clear of the legend
         ax.annotate(
             f"peak {py:.1f} {unit}\n{pk.module}",
             (px, py),
-            xytext=(18, -28),
+            xytext=(-18 if right else 18, -28),
             textcoords="offset points",
-            ha="left",
+            ha="right" if right else "left",
             fontsize=8,
             bbox={"boxstyle": "round", "fc": "white", "ec": "#888"},
             arrowprops={"arrowstyle": "-", "color": "#555"},
@@ -144,16 +145,23 @@ def plot_timeline(trace: Trace, *, x: str = "event", ax=None, title: str | None 
     ax.set_ylabel(f"live tensor memory ({unit})")
     n = len(trace.training_steps())
     ax.set_title(title or f"Memory through {n} training step{'s' if n != 1 else ''} on {trace.device}")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category", title_fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    if unnamed:  # some phases were too narrow to name: the legend says what their shading means
+        handles += [h for h, _ in phase_legend_entries()]
+        labels += [label for _, label in phase_legend_entries()]
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="category",
+              title_fontsize=8)  # fmt: skip
     return fig
 
 
 MAX_LABELLED_STEPS = 12  # beyond this many steps, phase names would overlap: shade only, label every k-th step
+MIN_NAMED_SHARE = 0.04  # a phase narrower than this share of the x axis is shaded, not named (its name would overlap)
 
 
-def _shade_phases(ax, trace: Trace, xs: np.ndarray, top: float) -> None:
+def _shade_phases(ax, trace: Trace, xs: np.ndarray, top: float) -> bool:
     """Shade each phase (one collection per phase kind, so a 1,000-step trace draws as fast as a 3-step one),
-    name the phases, and mark where each step starts (every k-th step on long traces)."""
+    name the phases wide enough to hold their name (:data:`MIN_NAMED_SHARE`), and mark where each step starts
+    (every k-th step on long traces). Returns True if a phase was left unnamed (the legend must name the shading)."""
     spans: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASE_SHADES}
     step_starts: dict[int, float] = {}
     for ph in trace.phases():
@@ -168,15 +176,21 @@ def _shade_phases(ax, trace: Trace, xs: np.ndarray, top: float) -> None:
             bars, (0, 1), facecolors=PHASE_SHADES[phase], zorder=0, linewidth=0, transform=ax.get_xaxis_transform()
         )
     few = len(step_starts) <= MAX_LABELLED_STEPS
+    unnamed = False
     if few:
+        wide = MIN_NAMED_SHARE * (xs[-1] - xs[0])
         for phase, bars in spans.items():
             for x0, w in bars:
+                if w < wide:
+                    unnamed = True
+                    continue
                 ax.text(x0 + w / 2, top * 0.97, PHASE_SHORT[phase], ha="center", va="top", fontsize=8, color="#444")
     every = 1 if few else -(-len(step_starts) // MAX_LABELLED_STEPS)
     for k, (step, x0) in enumerate(step_starts.items()):
         if k % every == 0:
             ax.axvline(x0, color=STEP_LINE, linestyle="--", linewidth=0.8)
             ax.text(x0, top * 0.90, f" step {step}", ha="left", va="top", fontsize=9)
+    return unnamed
 
 
 def plot_module_bars(
@@ -230,12 +244,17 @@ def plot_timelines(traces: dict[str, Trace], title: str | None = None):
         own_top = ax.get_ylim()[1]
         ax.set_ylim(0, top / scale * 1.18)
         for text in ax.texts:
-            if isinstance(text, Annotation):  # the peak's label: above the peak when there is room
+            if isinstance(text, Annotation):  # the peak's label: above the peak when there is room (same side)
                 if text.xy[1] < 0.6 * ax.get_ylim()[1]:
-                    text.xyann = (18, 12)
+                    text.xyann = (text.xyann[0], 12)
             else:  # phase and step labels sit near the top: move them to the shared top
                 text.set_y(text.get_position()[1] / own_top * ax.get_ylim()[1])
-    legend_of_all(axes, axes[0])  # one legend, with what any panel draws (only checkpointing recomputes, say)
+    # one legend, with what any panel draws (only checkpointing recomputes, say), and the phases' shading where a
+    # panel could not name them all
+    shading = [(h, label) for h, label in phase_legend_entries() if label.startswith("shading")]
+    legends = [ax.get_legend() for ax in axes if ax.get_legend() is not None]
+    unnamed = any(t.get_text().startswith("shading") for legend in legends for t in legend.get_texts())
+    legend_of_all(axes, axes[0], extra=shading if unnamed else ())
     if title:
         fig.suptitle(title)
     return fig
