@@ -257,7 +257,8 @@ def test_a_lesson_header_gives_its_time_prerequisites_launch_links_source_issue_
     minutes = course_site.guide_minutes()
     assert set(minutes) == {p.name[:2] for p in NOTEBOOKS}  # the instructor guide's table (lesson_times.py)
     assert f"**About {minutes['09']} min** in a room" in header
-    assert "lessons [06](06_prediction.ipynb), [08](08_scaling.ipynb)" in header  # the earlier lessons it cites
+    # the earlier lessons it cites (section 5 cites 05's checkpointing; 10, a later one, is not a prerequisite)
+    assert "lessons [05](05_checkpointing.ipynb), [06](06_prediction.ipynb), [08](08_scaling.ipynb)" in header
     colab, binder = course_site.launch_links("09_finetune.ipynb")
     slug, ref = course_site.course_config()
     for url in (colab, binder, f"https://raw.githubusercontent.com/{slug}/{ref}/learner/09_finetune.ipynb",
