@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from anatomy_helpers.core.model import ModelConfig
+from anatomy_helpers.lessons.lesson06_prediction import gpu_gap, reduction_staging
 from anatomy_helpers.prediction import cuda_checks
 from anatomy_helpers.prediction.cuda_checks import CheckRow, CheckRun, checked_text
 from anatomy_helpers.prediction.cuda_rules import (
@@ -21,6 +22,7 @@ from anatomy_helpers.prediction.dryrun import dry_run_config
 from anatomy_helpers.prediction.fit import SIZE_ONLY_RULES, will_it_fit
 from anatomy_helpers.prediction.fixes import cheapest_fix
 from anatomy_helpers.prediction.sdpa_rules import minimum_gemm_alignment, sdpa_backend, sdpa_choice
+from anatomy_helpers.training.train import make_model
 
 from .conftest import SMALL
 
@@ -278,3 +280,33 @@ def test_cuda_rules_against_a_real_step():
         )
         worst = max(worst, abs(p.tensors + rounded - measured))
     assert worst <= 2 * 2**20 + 512
+
+
+def test_reduction_staging_is_a_buffer_and_its_semaphores_freed_around_one_kernel():
+    def ev(action, addr, size):
+        return {"action": action, "addr": addr, "size": size}
+
+    staged = [
+        ev("alloc", 1, 8 << 20),
+        ev("alloc", 2, 32),
+        ev("free_completed", 2, 32),
+        ev("free_completed", 1, 8 << 20),
+    ]
+    tensor = [ev("alloc", 3, 1024), ev("alloc", 4, 4096), ev("free_completed", 4, 4096), ev("free_completed", 3, 1024)]
+    kept = [ev("alloc", 5, 4096), ev("alloc", 6, 32), ev("free_completed", 6, 32), ev("alloc", 7, 64)]
+    assert reduction_staging(staged) == {0, 1, 2, 3}
+    assert reduction_staging(tensor) == set()  # the second is larger: not a buffer's semaphores
+    assert reduction_staging(kept) == set()  # the buffer outlives the kernel
+    assert reduction_staging([ev("alloc", 9, 16), *staged]) == {1, 2, 3, 4}
+
+
+def test_the_stored_gpu_runs_gap_is_reduction_staging_and_the_host_step_counters():
+    """The H200 snapshot's step peaks above the prediction (the "checked" clause: 5.01 MiB over the tensors, about
+    2 MiB over the simulated blocks). At its peak a CUDA reduction's staging buffer is alive (kernel scratch, not
+    counted by a dry run); without those buffers its peak is the prediction's, less Adam's step counters, which the
+    GPU keeps on the host where the one-device dry run counts them: byte for byte."""
+    gap = gpu_gap()
+    parameters = sum(1 for _ in make_model().parameters())
+    assert gap.host_step_counters == 4 * parameters  # one fp32 scalar per parameter tensor
+    assert gap.measured > gap.predicted and gap.staging_at_peak >= gap.measured - gap.predicted
+    assert gap.measured_without_staging == gap.predicted - gap.host_step_counters

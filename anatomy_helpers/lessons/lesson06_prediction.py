@@ -7,8 +7,11 @@ Bytes everywhere unless a name says otherwise.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -16,14 +19,16 @@ from ..core.model import ModelConfig
 from ..core.tables import Col, format_table
 from ..core.units import GiB, MiB, pick_unit
 from ..prediction.cuda_rules import CudaRuleError, correction_series, cuda_corrections
-from ..prediction.devices import DEFAULT_GPU, Device, get_device
+from ..prediction.devices import DEFAULT_GPU, DEVICES, Device, get_device
 from ..prediction.dryrun import dry_run_config
 from ..prediction.estimate import estimate_step, impl_of, textbook_estimates
+from ..prediction.explain_read import load_recording
 from ..prediction.fit import STEP_PHASES, describe, dry_run_and_replay, will_it_fit
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..training.train import make_model, make_optimizer, track_steps
 from ..ui.plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure, plot_fit
+from .lesson07_profiling import GPU_REFERENCE  # the course's stored GPU snapshot (package data)
 
 #: Model shapes for the panel (ModelConfig fields); ``block`` is chosen separately. The vocabulary is GPT-2's
 #: (50,304, padded) for every shape but the toy, whose is the course text's.
@@ -259,3 +264,80 @@ def default_step_on_gpu(capability: tuple[int, int], warm: bool) -> list[tuple[i
         allocated = rep.allocated[n0 + first : n0 + last + 1] + added[window]
         out.append((int(tensors.max()), int(allocated.max())))
     return out
+
+
+@dataclass(frozen=True)
+class GpuGap:
+    """Where the stored GPU run's default step differs from its prediction (bytes; see :func:`gpu_gap`)."""
+
+    gpu: str  # the GPU the snapshot was recorded on
+    measured: int  # the snapshot's peak of requested bytes (parameters made before recording began included)
+    staging_at_peak: int  # of which: CUDA reduction kernels' staging buffers alive at that moment
+    measured_without_staging: int  # the snapshot's peak with those buffers left out (it may fall at another moment)
+    predicted: int  # the prediction's peak of tensor bytes for that GPU (a fresh process: workspaces made in it)
+    host_step_counters: int  # Adam's step counters, which CUDA's foreach AdamW keeps on the host: 4 B a parameter
+
+
+def reduction_staging(events: Sequence[dict]) -> set[int]:
+    """Indices of the snapshot events (``alloc`` and ``free_completed`` only) that are a CUDA reduction's staging: a
+    buffer, then a few bytes of semaphores, made and freed around one kernel with nothing between. ATen's reduce
+    kernel (``aten/src/ATen/native/cuda/Reduce.cuh``, ``should_global_reduce``) takes both from the caching allocator
+    when it splits a long reduction (a bias gradient summed over every position) across thread blocks: kernel
+    scratch, which no dry run counts. The pattern is read from the events: a backward recorded without stacks names
+    no op."""
+    found = set()
+    for i in range(len(events) - 3):
+        a, b, c, d = events[i : i + 4]
+        actions = (a["action"], b["action"], c["action"], d["action"])
+        if actions == ("alloc", "alloc", "free_completed", "free_completed"):
+            if c["addr"] == b["addr"] and d["addr"] == a["addr"] and b["size"] < a["size"]:
+                found.update(range(i, i + 4))
+    return found
+
+
+def _snapshot_peak(events: Sequence[dict], skip: set[int], marked: set[int]) -> tuple[int, int]:
+    """(peak of live requested bytes over ``events`` without those at ``skip``, the bytes alive at that peak that
+    were allocated at an index in ``marked``)."""
+    live: dict[int, tuple[int, int]] = {}  # address -> (bytes, index of its alloc)
+    current = top = marked_at_top = 0
+    for i, event in enumerate(events):
+        if i in skip:
+            continue
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], i)
+            current += event["size"]
+        else:
+            current -= live.pop(event["addr"], (0, -1))[0]
+        if current > top:
+            top = current
+            marked_at_top = sum(size for size, at in live.values() if at in marked)
+    return top, marked_at_top
+
+
+def gpu_gap(snapshot_path: str | Path | None = None) -> GpuGap:
+    """The stored GPU run's default step (3 steps from a fresh process, ``scripts/record_gpu_reference.py``) against
+    its prediction, byte for byte: the snapshot's peak, the reduction staging alive at it, the peak without that
+    staging, today's prediction for that GPU's compute capability, and the Adam step counters the GPU keeps on the
+    host where the dry run (one device) counts them. Reads ``lessons/gpu_reference/first_steps.pickle`` by default
+    (and the ``.json`` beside it, for the GPU)."""
+    path = Path(snapshot_path) if snapshot_path is not None else GPU_REFERENCE
+    _, snapshot = load_recording(path)
+    gpu = json.loads(path.with_suffix(".json").read_text())["gpu"]
+    events = [e for e in snapshot["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
+    staging = reduction_staging(events)
+    measured, staged = _snapshot_peak(events, set(), staging)
+    without, _ = _snapshot_peak(events, staging, set())
+    model = make_model()  # the parameters and buffers existed before the recording began: not in its events
+    made_before = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers()))
+    known = [d for d in DEVICES.values() if gpu.removeprefix("NVIDIA ").startswith(d.name.split()[0])]
+    if len({d.capability for d in known}) != 1:
+        raise ValueError(f"{path}: no one compute capability known for the GPU it names, {gpu!r}")
+    predicted = max(tensors for tensors, _ in default_step_on_gpu(known[0].capability, warm=False))
+    return GpuGap(
+        gpu=gpu,
+        measured=measured + made_before,
+        staging_at_peak=staged,
+        measured_without_staging=without + made_before,
+        predicted=predicted,
+        host_step_counters=4 * sum(1 for _ in model.parameters()),
+    )
