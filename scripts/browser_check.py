@@ -4,10 +4,14 @@
 
 For each learner notebook with a slider panel: open it in JupyterLab, run the cells its panels need (the setup cell,
 the panel cells and the cells that bind a name they read, found by :func:`panel_cells`; --all-cells: every cell),
-check that no cell shows an error, then move every control of every panel from where the panel opened (a slider one
-notch, a dropdown to its next choice; each control is put back before the next one moves) and check that the panel
-measured again: after each run a panel writes a hidden digest of the data its figure draws and the numbers it
-computed (widgets.figure_digest: lines, bars, areas, not text), and the digest must change. Two settings may
+check that no cell shows an error and that each panel opens as slider_panel builds it: its controls and a one-line
+hint, no figure and no digest (the plain call in the cell above drew that setting; the panel draws only when a
+control moves). Then move every control of every panel from where the panel opened (a slider one notch, a dropdown
+to its next choice; each control is put back before the next one moves) and check that the panel measured again:
+after each run a panel writes a hidden digest of the data its figure draws and the numbers it computed
+(widgets.figure_digest: lines, bars, areas, not text), and the digest must change. The digest at the opening
+settings, which each move is compared with, comes from moving the first control one notch and back before the
+moves are counted (the panel opens without one); the hint must be gone after that. Two settings may
 legitimately draw the same (Adam and AdamW hold the same memory), so a control moves on up to TRIES notches before
 it counts as ignored. A panel that echoes the value in its title or printout but draws the same data fails, naming
 the panel and the control. A panel that reports the values it used (its figure's ``panel_used``, written into the
@@ -15,7 +19,7 @@ digest element) is checked against its controls after each run: a setting it sil
 1280 x 900 window (a laptop's), each panel is also checked for what would be cut off, before and after each move:
 the panel within the window's width, its figure no wider than the output area (JupyterLab would shrink it), no
 control label truncated, and controls with figure no taller than the notebook's visible height.
-Screenshots of the first panel before and after its first move, and of the page, go to --artifacts.
+Screenshots of the first panel as it opens and after its first counted move, and of the page, go to --artifacts.
 tests/test_browser.py runs the same in CI (`bash scripts/test.sh`), where nbval runs every cell of the same sources
 (tests/test_course.py keeps learner/ in sync with notebooks/) and fails on any error: running the lessons' other
 cells a second time, in the browser, would cost minutes and check nothing more.
@@ -274,9 +278,11 @@ JS_PANEL_STATE = """(panel) => {
   const out = panel.querySelector('.widget-output');
   const img = out && out.querySelector('img');
   const mark = out && out.querySelector('.anatomy-panel-digest');  // widgets.DIGEST_CLASS
+  const hint = panel.querySelector('.anatomy-panel-hint');  // widgets.HINT_CLASS: shown until a control moves
   return {text: out ? out.innerText : '', image: img ? img.getAttribute('src') : '',
           digest: mark ? mark.dataset.digest : '', panel: mark ? mark.dataset.panel : '',
-          used: mark && mark.dataset.used ? JSON.parse(mark.dataset.used) : {}};  // widgets.digest_html
+          used: mark && mark.dataset.used ? JSON.parse(mark.dataset.used) : {},  // widgets.digest_html
+          hint: !!hint && hint.getBoundingClientRect().height > 0 ? hint.innerText.trim() : ''};  // shown or ''
 }"""
 
 JS_FIT = """(panel) => {
@@ -386,21 +392,38 @@ def drive(
     for i in range(panels.count()):
         panel = panels.nth(i)
         panel.scroll_into_view_if_needed(timeout=30_000)
-        try:
-            page.wait_for_function(f"(p) => ({JS_PANEL_STATE})(p).digest !== ''", arg=panel.element_handle(),
+        try:  # the panel opens with its controls and a hint, and draws nothing until a control moves
+            page.wait_for_function(f"(p) => ({JS_PANEL_STATE})(p).hint !== ''", arg=panel.element_handle(),
                                    timeout=120_000)  # fmt: skip
         except Exception:
-            result.problem = f"panel {i + 1} never showed its measurement (no plot drawn within 120 s)"
+            result.problem = f"panel {i + 1} never showed its opening hint (no panel drawn within 120 s)"
             return result
-        state = page.evaluate(JS_PANEL_STATE, panel.element_handle())
-        check_fit(page, panel, state["panel"] or str(i + 1), result)
+        opening = page.evaluate(JS_PANEL_STATE, panel.element_handle())
+        if opening["digest"] or opening["image"]:
+            result.failures.append(f"panel {i + 1} opened with a figure of its own: a second copy of the plain "
+                                   "call's above (a panel draws only when a control moves)")  # fmt: skip
+        check_fit(page, panel, str(i + 1), result)
         controls = panel.locator(".widget-slider, .widget-hslider, .widget-dropdown")
         opened = [value_of(controls.nth(j)) for j in range(controls.count())]
-        check_used(panel, controls, state, state["panel"] or str(i + 1), result, "opening")
+        if i == 0:
+            panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))  # as it opens: controls and hint
+
+        # What the panel draws at its opening settings, for the moves to be compared with: it drew nothing there,
+        # so the first control moves one notch (any run counts: there is no digest yet) and back, and the run back
+        # gives it. (The plain call above drew the same settings, but as a picture in the page, not a digest.)
+        def on_prime(st, what, panel=panel, controls=controls, i=i):
+            check_used(panel, controls, st, st["panel"] or str(i + 1), result, f"moving {what}")
+
+        primed, moved_state, why = move(page, panel, controls.nth(0), opening, on_run=on_prime)
+        state = put_back(page, panel, controls.nth(0), opened[0], moved_state) if not why else moved_state
+        if why or not state["digest"]:
+            result.failures.append(f"panel {i + 1}: moving {primed} and back: {why or 'it drew nothing'}")
+            continue
+        if state["hint"]:
+            result.failures.append(f"panel {state['panel'] or i + 1}: its opening hint still shows after a move")
+        check_used(panel, controls, state, state["panel"] or str(i + 1), result, "moving back to the opening")
         for j in range(controls.count()):
             first_move = not result.moves
-            if first_move:
-                panel.screenshot(path=str(shots / f"{Path(name).stem}_before.png"))
             if j:  # each control moves from where the panel opened: a setting may matter only in some states
                 state = put_back(page, panel, controls.nth(j - 1), opened[j - 1], state)
 

@@ -1,11 +1,13 @@
 """The widgets in a real browser: every learner notebook with a slider panel runs in JupyterLab in headless Chromium
 (the cells its panels need: browser_check.panel_cells; nbval runs every cell of the same sources), shows no error,
+opens each panel with its controls and hint and no figure of its own (the plain call above drew it), then
 re-measures when each control of each panel moves (the data its figure draws changes, not only
 an echo of the control's value), and fits a 1280 x 900 window (nothing of a panel cut off or shrunk).
 
 The work is scripts/browser_check.py's. Debian's chromium (apt-get) and PyPI's playwright are installed when missing;
-where neither can be had the tests are skipped with the reason printed, never passed. Screenshots of each panel
-before and after the move are kept in test-artifacts/browser/ (COURSE_ARTIFACTS overrides the folder).
+where neither can be had the tests are skipped with the reason printed, never passed. Screenshots of each
+notebook's first panel as it opens and after its first move are kept in test-artifacts/browser/ (COURSE_ARTIFACTS
+overrides the folder).
 
 One test per notebook, each a scheduling scope of its own under `--dist loadfile` (tests/conftest.py), so the two
 workers share the notebooks between them; each worker opens one JupyterLab and one Chromium for all of its share

@@ -67,7 +67,8 @@ def test_slider_panel_shows_the_returned_figure():
     assert panel.auto_display  # the return value is displayed, not only what fn prints
     sliders = [c for c in panel.children if isinstance(c, w.IntSlider)]
     assert sliders[0].value == 2 and not sliders[0].continuous_update
-    assert panel.result == "2x5"  # c keeps its default
+    next(c for c in panel.children if isinstance(c, w.Dropdown)).value = "y"
+    assert panel.result == "2y5"  # c keeps its default
     with pytest.raises(ValueError, match="not a parameter"):
         slider_panel(fn, d=(1, 2, 1))
     for bad in ((1, 4, 0), (4, 1, 1), (1.0, 4, 1)):
@@ -87,7 +88,7 @@ def test_slider_panel_labels_are_as_wide_as_their_text_and_controls_wrap():
 
     given = w.IntSlider(value=2, min=1, max=3, description="n")
     panel = slider_panel(fn, micro_batches=(1, 4, 1), implementation=["x", "y"], n=given)
-    controls = panel.children[:-2]  # then the status line and the output
+    controls = panel.children[:-3]  # then the hint, the status line and the output
     assert [c.description for c in controls] == ["micro batches", "implementation", "n"]
     # "initial": the label takes its text's width; ipywidgets' default ("") is a fixed 80 px: "micro bat…"
     assert all(c.style.description_width == "initial" for c in controls)
@@ -294,5 +295,39 @@ def test_a_panel_says_it_is_measuring_while_it_runs_and_takes_no_room_after():
     panel = slider_panel(watched, a=(1, 4, 1))
     [status] = [c for c in panel.children if STATUS_CLASS in c._dom_classes]
     assert status.layout.display == "none" and panel.children[-1] is panel.out  # under the controls, above the output
+    assert panel.children[-2] is status
     next(c for c in panel.children if isinstance(c, w.IntSlider)).value = 3
     assert seen == [(3, "", True)] and status.layout.display == "none" and panel.result == 3
+
+
+def test_a_panel_opens_with_a_hint_and_measures_only_when_a_control_moves(monkeypatch):
+    """The plain call in the cell above shows the figure at the defaults: the panel opens without calling its
+    function (no second copy of that figure) and with a one-line hint; a control's move calls it once, hides the
+    hint and shows the figure it returned (auto_display), and so does every later move."""
+    import ipywidgets as w
+    from matplotlib.figure import Figure
+
+    from anatomy_helpers.ui.widgets import HINT_CLASS, HINT_TEXT, slider_panel
+
+    calls = []
+
+    def counted(a: int = 2, b: str = "x"):
+        calls.append((a, b))
+        return Figure()
+
+    from ipywidgets.widgets import interaction
+
+    shown = []
+    monkeypatch.setattr(interaction, "display", shown.append)  # what interactive displays in its output area
+    panel = slider_panel(counted, a=(1, 4, 1), b=["x", "y"])
+    [hint] = [c for c in panel.children if HINT_CLASS in c._dom_classes]
+    assert calls == [] and panel.result is None and shown == []  # nothing measured, nothing displayed
+    assert hint.value == HINT_TEXT and "move a control" in hint.value and hint.layout.display != "none"
+    assert panel.children.index(hint) < panel.children.index(panel.out)  # above where the figure will be
+    next(c for c in panel.children if isinstance(c, w.IntSlider)).value = 3
+    assert calls == [(3, "x")] and shown == [panel.result] and isinstance(panel.result, Figure)
+    assert hint.layout.display == "none"
+    next(c for c in panel.children if isinstance(c, w.Dropdown)).value = "y"
+    assert calls == [(3, "x"), (3, "y")] and hint.layout.display == "none"  # the hint does not come back
+    next(c for c in panel.children if isinstance(c, w.IntSlider)).value = 2
+    assert calls[-1] == (2, "y") and len(calls) == 3  # back at a default: measured like any other setting

@@ -2,7 +2,9 @@
 
 Pattern used in every notebook (nbval compares the stored output of every cell): first call the plain
 function with its defaults in its own cell (stable output nbval can compare),
-then build the panel with :func:`slider_panel` in a cell marked NBVAL_IGNORE_OUTPUT.
+then build the panel with :func:`slider_panel` in a cell marked NBVAL_IGNORE_OUTPUT. The panel opens with its
+controls and a one-line hint, not a second copy of the plain call's output: it measures and draws only when a
+control moves, so each figure appears once.
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ from .plots import plot_timeline
 
 
 def slider_panel(fn: Callable, **controls) -> w.interactive:
-    """``ipywidgets.interactive(fn, ...)`` that re-runs only when a slider is released.
+    """``ipywidgets.interactive(fn, ...)`` that runs ``fn`` only when a control moves (a slider when released).
 
     Each control is a widget, or a tuple ``(min, max, step)`` for an integer slider,
     or a list of choices for a dropdown. Controls start at ``fn``'s defaults, so the
-    panel opens where the plain call left off; parameters without a control keep
+    panel opens where the plain call in the cell above left off; parameters without a control keep
     their defaults. Returns the widget (display it as the cell's value).
+
+    The panel opens without calling ``fn``: under its controls a one-line hint (:data:`HINT_TEXT`) says that these
+    settings are the ones the plain call above measured, and that moving a control measures another. The first move
+    hides the hint for good and runs ``fn``; so does every later one (moving back to the defaults too). So a
+    lesson shows each figure once, where ``interactive`` alone would draw the plain call's output a second time.
 
     While ``fn`` runs, a line under the controls says the panel is measuring (hidden again, taking no room, when
     it is done). Each control's label is as wide as its text (ipywidgets' default 80 px cuts "micro batches" to
@@ -73,8 +80,15 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     labels = {name: built[name].description or name.replace("_", " ") for name in controls}
     status = w.HTML(STATUS_TEXT, layout=w.Layout(display="none", width="100%"))  # shown only while it measures
     status.add_class(STATUS_CLASS)
+    hint = w.HTML(HINT_TEXT, layout=w.Layout(width="100%"))  # shown until the first move
+    hint.add_class(HINT_CLASS)
+    opened = []  # empty until interactive's own first call, the one it makes as it is built
 
     def measured(**kwargs):
+        if not opened:  # the panel opening at fn's defaults: the plain call above shows that figure already
+            opened.append(True)
+            return None  # nothing for interactive to display
+        hint.layout.display = "none"  # a control moved: from now on the output is this panel's own
         status.layout.display = ""  # a widget update reaches the page at once, while fn still runs
         try:
             figure = fn(**kwargs)
@@ -92,7 +106,8 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
     # controls side by side, wrapping at the notebook's width; the output on a row of its own below them
     panel.layout = w.Layout(flex_flow="row wrap", align_items="center")
     panel.out.layout.width = "100%"
-    panel.children = (*panel.children[:-1], status, panel.children[-1])  # the status line between controls and output
+    # the hint and the status line between the controls and the output
+    panel.children = (*panel.children[:-1], hint, status, panel.children[-1])
     return panel
 
 
@@ -100,6 +115,11 @@ def slider_panel(fn: Callable, **controls) -> w.interactive:
 #: CSS class (the browser test finds it by it).
 STATUS_TEXT = "<i>measuring with the new setting&hellip; (a setting already measured comes back at once)</i>"
 STATUS_CLASS = "anatomy-panel-status"
+
+#: What a panel shows when it opens, until a control moves (it opens at the plain call's settings, so it does not
+#: draw that figure again), and its CSS class (the browser test checks it).
+HINT_TEXT = "<i>These are the settings measured above; move a control to measure another setting.</i>"
+HINT_CLASS = "anatomy-panel-hint"
 
 
 #: Widget labels as wide as their text (ipywidgets' own default is a fixed 80 px that truncates longer names).
