@@ -21,7 +21,6 @@ from torch.profiler import ProfilerActivity, profile
 from anatomy_helpers import make_model
 from anatomy_helpers.cli.main import main
 from anatomy_helpers.core.units import MiB
-from anatomy_helpers.lessons.lesson07_profiling import GPU_REFERENCE
 from anatomy_helpers.prediction import explain_read
 from anatomy_helpers.prediction.cuda_rules import CUBLAS_WORKSPACE_SM90
 from anatomy_helpers.prediction.explain import (
@@ -44,7 +43,7 @@ from anatomy_helpers.prediction.explain_read import (
     frame_label,
     snapshot_events,
 )
-from anatomy_helpers.prediction.snapshot import snapshot_from_replay
+from anatomy_helpers.prediction.snapshot import GPU_REFERENCE, snapshot_from_replay
 from anatomy_helpers.tracking.profiler import quiet_profiler
 from anatomy_helpers.tracking.tracker import StepTracker
 from tests.conftest import SMALL, storage_bytes
