@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from anatomy_helpers.lessons.lesson07_profiling import GPU_REFERENCE
 from anatomy_helpers.prediction.explain import explain, explain_events
 from anatomy_helpers.prediction.explain_read import load_recording, snapshot_events
+from anatomy_helpers.prediction.snapshot import GPU_REFERENCE
 
 
 def step_two(trace: list) -> tuple[int, int]:

@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))  # run from a clone without installing the package
 
 from anatomy_helpers.core.units import MiB  # noqa: E402
 from anatomy_helpers.lessons.lesson06_prediction import default_step_on_gpu  # noqa: E402
-from anatomy_helpers.lessons.lesson07_profiling import GPU_REFERENCE  # noqa: E402
 from anatomy_helpers.prediction.cuda_checks import CUDA_CHECKS  # noqa: E402
 from anatomy_helpers.prediction.devices import DEVICES  # noqa: E402
+from anatomy_helpers.prediction.snapshot import GPU_REFERENCE  # noqa: E402
 
 GPU_OUTPUTS = ROOT / "docs" / "gpu_outputs"
 GUIDE = ROOT / "docs" / "instructor_guide.md"

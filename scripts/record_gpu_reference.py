@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT))  # run from a clone without installing the package
 
 from anatomy_helpers import get_batch, make_model, make_optimizer, train_step  # noqa: E402
 from anatomy_helpers.core.units import MiB  # noqa: E402
-from anatomy_helpers.lessons.lesson07_profiling import GPU_REFERENCE  # noqa: E402
-from anatomy_helpers.prediction.snapshot import record_cuda_snapshot  # noqa: E402
+from anatomy_helpers.prediction.snapshot import GPU_REFERENCE, record_cuda_snapshot  # noqa: E402
 
 
 def trim_frames(snapshot: dict, max_frames: int) -> dict:

@@ -21,7 +21,6 @@ from torch.profiler import ProfilerActivity, profile
 from anatomy_helpers import make_model
 from anatomy_helpers.cli.main import main
 from anatomy_helpers.core.units import MiB
-from anatomy_helpers.lessons.lesson07_profiling import GPU_REFERENCE
 from anatomy_helpers.prediction import explain_read
 from anatomy_helpers.prediction.cuda_rules import CUBLAS_WORKSPACE_SM90
 from anatomy_helpers.prediction.explain import (
@@ -44,7 +43,7 @@ from anatomy_helpers.prediction.explain_read import (
     frame_label,
     snapshot_events,
 )
-from anatomy_helpers.prediction.snapshot import snapshot_from_replay
+from anatomy_helpers.prediction.snapshot import GPU_REFERENCE, snapshot_from_replay
 from anatomy_helpers.tracking.profiler import quiet_profiler
 from anatomy_helpers.tracking.tracker import StepTracker
 from tests.conftest import SMALL, storage_bytes
@@ -339,6 +338,18 @@ def test_cli_explains_the_h200_snapshot_as_text_and_json(capsys):
     assert answer["runs_out_first"]["fits"] is True
 
 
+def test_the_table_names_the_file_and_leaves_the_spans_out_on_request(h200):
+    """A notebook compares the table from run to run: no wall-clock spans (times=False), no machine's path."""
+    answer, _ = h200
+    timed, plain = answer.table().splitlines(), answer.table(times=False).splitlines()
+    assert timed[0] == plain[0] == f"CUDA memory snapshot: {GPU_REFERENCE.name}"
+    assert "ms" in timed[1].split() and "ms" not in plain[1].split()
+    rows = len(answer.phases)
+    for t, p in zip(timed[3 : 3 + rows], plain[3 : 3 + rows]):  # each phase's row: the same but for its span
+        assert t.split()[:2] + t.split()[3:] == p.split()
+    assert timed[3 + rows :] == plain[3 + rows :]
+
+
 @pytest.mark.parametrize("args, message", [(["nowhere.pickle"], "no such file"), (["--device", "x1"], "device")])
 def test_cli_bad_input_exits_2_with_a_message_and_no_traceback(args, message, capsys):
     argv = ["explain", *(args if args[0] != "--device" else [str(GPU_REFERENCE), *args])]
@@ -386,21 +397,6 @@ def test_the_figure_draws_the_categories_the_unclassified_bytes_and_reserved(h20
     assert {"parameters", "optimizer state", "activations", UNCLASSIFIED, "reserved"} <= set(labels)
     reserved = next(line for line in ax.get_lines() if line.get_label() == "reserved")
     assert reserved.get_ydata().max() == pytest.approx(ex.trace.timeline.cuda_reserved.max() / MiB)
-
-
-def test_the_lesson_drafts_cells_run_in_order_and_their_asserts_hold(tmp_path, monkeypatch, capsys):
-    import re
-    from pathlib import Path
-
-    md = (Path(__file__).resolve().parent.parent / "docs" / "your_own_run.md").read_text()
-    cells = re.findall(r"```python\n(.*?)```", md, re.S)
-    assert len(cells) >= 5
-    monkeypatch.chdir(tmp_path)  # the draft writes my_run.json where it runs
-    namespace: dict = {}
-    with quiet_profiler():
-        for cell in cells:
-            exec(compile(cell, "docs/your_own_run.md", "exec"), namespace)  # noqa: S102 (the draft's own cells)
-    assert "runs out first" in capsys.readouterr().out
 
 
 def test_a_cuda_profile_by_hand_sum_before_unclassified_reserved_from_the_trace(tmp_path):

@@ -29,6 +29,7 @@ from torch.profiler._memory_profiler import Action, TensorKey
 
 from ..core.tables import Col, format_table
 from ..core.units import MiB
+from ..prediction.snapshot import GPU_REFERENCE
 from ..tracking.events import CATEGORIES, PHASES
 from ..tracking.profiler import (
     COURSE_CATEGORY,
@@ -43,9 +44,6 @@ from ..tracking.profiler import (
 )
 from ..tracking.trace import Trace
 from ..training.step import StepHooks, StepPlan, run_step
-
-# Where scripts/record_gpu_reference.py writes its snapshot: package data, so that Colab's install has it too.
-GPU_REFERENCE = Path(__file__).resolve().parent / "gpu_reference" / "first_steps.pickle"
 
 # The course's categories that hold what the profiler calls TEMPORARY, AUTOGRAD_DETAIL or unknown.
 SCRATCH_CATEGORIES = tuple(c for c in ("temporaries", "kernel_scratch") if c in CATEGORIES)

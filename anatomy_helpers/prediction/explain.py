@@ -365,18 +365,20 @@ class Explanation:
             "notes": self.notes,
         }
 
-    def table(self) -> str:
-        """The phase x category table, the step-1-against-step-2 lines, the peak, the device and the levers."""
+    def table(self, times: bool = True) -> str:
+        """The phase x category table, the step-1-against-step-2 lines, the peak, the device and the levers; the
+        recording is named by its file name. ``times=False`` leaves out each phase's span in ms (a wall time: a
+        notebook compares every other figure of the table from run to run)."""
         shown = [c for c in EXPLAIN_CATEGORIES if any(p.breakdown[c] >= MiB / 200 for p in self.phases)]
-        cols = [Col("step", 4), Col("phase", 9, align="<"), Col("ms", 7, ".1f")]
+        cols = [Col("step", 4), Col("phase", 9, align="<"), *([Col("ms", 7, ".1f")] if times else [])]
         cols += [Col(c.replace("_", " "), max(9, len(c)), ".2f") for c in shown]
         cols += [Col("total", 8, ".2f"), Col("reserved", 8, ".2f")]
         rows = [
-            (p.step, p.phase, (p.end_us - p.start_us) / 1e3, *(p.breakdown[c] / MiB for c in shown), p.peak / MiB,
-             None if p.reserved is None else p.reserved / MiB)
+            (p.step, p.phase, *([(p.end_us - p.start_us) / 1e3] if times else []),
+             *(p.breakdown[c] / MiB for c in shown), p.peak / MiB, None if p.reserved is None else p.reserved / MiB)
             for p in self.phases
         ]  # fmt: skip
-        out = [f"{self.kind}: {self.source}", format_table(cols, rows, note="(MiB at each phase's peak)")]
+        out = [f"{self.kind}: {Path(self.source).name}", format_table(cols, rows, note="(MiB at each phase's peak)")]
         out += [_step_line(s) for s in self.steps]
         out.append(_peak_line(self.peak))
         out += [f"  unclassified: {b / MiB:.2f} MiB {why}" for why, b in self.unclassified_at_peak.items()]
@@ -476,6 +478,12 @@ def explain(path: str | Path, device: str | int | Device = DEFAULT_GPU) -> Expla
     the GPU to judge it on (prediction/devices.py; default a T4). ValueError naming the file for anything it
     cannot read (:class:`~anatomy_helpers.prediction.explain_read.RecordingError`) or without a training step
     (:class:`NoStepsError`). Bytes everywhere."""
+    return explain_recording(load_explained(path), device)
+
+
+def load_explained(path: str | Path) -> Explained:
+    """The recording at ``path`` read, cut into steps and phases and classified (what :func:`explain` answers
+    from, and what ``ui/explain_plot.py`` draws); the same errors as :func:`explain`."""
     kind, obj = load_recording(path)
     ev = snapshot_events(obj, str(path)) if kind == "snapshot" else trace_events(obj, str(path))
-    return explain_recording(explain_events(ev), device)
+    return explain_events(ev)

@@ -21,6 +21,11 @@ from .allocator import ROUND_LARGE, CachingAllocatorSim, allocator_at, replay_ro
 #: The file name of every frame of a simulated snapshot: no torch code made it.
 SIMULATED = "anatomy_helpers/simulated"
 
+#: The real CUDA snapshot the course ships (3 steps of the default model, recorded by
+#: ``scripts/record_gpu_reference.py``; what was recorded is in the JSON file beside it): package data, so that
+#: Colab's install has it too. Lesson 07 shows it; lesson 12 explains it.
+GPU_REFERENCE = Path(__file__).resolve().parent.parent / "lessons" / "gpu_reference" / "first_steps.pickle"
+
 
 class _RecordingSim(CachingAllocatorSim):
     """A CachingAllocatorSim that gives its segments addresses and logs what it does, as
