@@ -24,11 +24,11 @@ from ..prediction.dryrun import dry_run_config
 from ..prediction.estimate import estimate_step, impl_of, textbook_estimates
 from ..prediction.explain_read import load_recording
 from ..prediction.fit import STEP_PHASES, describe, dry_run_and_replay, will_it_fit
+from ..prediction.snapshot import GPU_REFERENCE
 from ..tracking.trace import Trace
 from ..tracking.tracker import StepTracker
 from ..training.train import make_model, make_optimizer, track_steps
 from ..ui.plots import CATEGORY_COLORS, FIGURE_WIDTH_IN, CourseFigure, plot_fit
-from .lesson07_profiling import GPU_REFERENCE  # the course's stored GPU snapshot (package data)
 
 #: Model shapes for the panel (ModelConfig fields); ``block`` is chosen separately. The vocabulary is GPT-2's
 #: (50,304, padded) for every shape but the toy, whose is the course text's.
