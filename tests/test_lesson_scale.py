@@ -209,6 +209,8 @@ def test_scale_panel_draws_and_prints_what_the_engines_compute(capsys, model, st
     setting = scale_setting(model, strategy, world_size)
     assert setting.memory == memory and setting.step == step
     assert format_fit_table([memory], device_bytes=None, unit="KiB" if memory.peak < 2**31 else "GiB") in printed
+    assert format_step_times({memory.label: [step]}, note_below=True) in printed
+    assert max(len(line) for line in printed.splitlines()) <= 104  # the panel's output is about 105 characters wide
     assert fig.panel_used == {"model": model, "strategy": strategy, "world_size": world_size}
     assert fig.panel_numbers == tuple(getattr(memory, f) for f in FIGURES) + (
         step.step, step.communication, step.exposed)  # fmt: skip

@@ -309,9 +309,10 @@ def format_assumptions(
     return "\n".join(lines + [f"- {a}" for a in ASSUMPTIONS])
 
 
-def format_step_times(curves: dict[str, list[StepTime]]) -> str:
+def format_step_times(curves: dict[str, list[StepTime]], *, note_below: bool = False) -> str:
     """The modelled steps as a table: compute, communication, its exposed part, straggler tail, step (ms), and the
-    share of the step spent computing."""
+    share of the step spent computing. ``note_below``: the unit note under the rows, not beside the header (a
+    panel's output is narrower than the notebook's)."""
     cols = [
         Col("strategy", 12, align="<"),
         Col("N", 5, "d"),
@@ -328,7 +329,8 @@ def format_step_times(curves: dict[str, list[StepTime]]) -> str:
         for name, rows in curves.items()
         for r in rows
     ]
-    return format_table(cols, out, note="(modelled, milliseconds per step)")
+    note = "(modelled, milliseconds per step)"
+    return format_table(cols, out, footer=[note]) if note_below else format_table(cols, out, note=note)
 
 
 def format_priced(steps: dict[str, StepTime]) -> str:
@@ -489,10 +491,7 @@ class PanelModel:
     def describe(self) -> str:
         c = self.config
         rows = f"{self.rows_per_rank} row{'s' if self.rows_per_rank > 1 else ''} per GPU"
-        return (
-            f"{c['n_layer']} blocks, d_model {c['d_model']}, {c['n_head']} heads, {c['seq_len']} tokens; {rows}; "
-            f"tp_fsdp: t = {self.tp}"
-        )
+        return f"{c['n_layer']} blocks, {c['n_head']} heads, {c['seq_len']} tokens; {rows}; TP degree {self.tp}"
 
 
 #: The lesson's two models: section 1's (lesson 08's, one row per rank, t = 2 as in its 2-D mesh) and section 3's
@@ -630,9 +629,9 @@ def scale_panel(model: str = "lesson 08's GPT (d_model 128)", strategy: str = "f
     and N it ran) for the browser test to check against the controls."""
     setting = scale_setting(model, strategy, world_size)
     m, s = setting.memory, setting.step
-    print(f"{setting.model}: {PANEL_MODELS[setting.model].describe()}")
+    print(f"{setting.model}: {PANEL_MODELS[setting.model].describe()}")  # under 100 characters: the panel's width
     print(format_fit_table([m], device_bytes=None, unit="GiB" if m.peak >= 2 * GiB else "KiB"))
-    print(format_step_times({m.label: [s]}))
+    print(format_step_times({m.label: [s]}, note_below=True))
     fig = plot_scale_setting(setting)
     fig.panel_numbers = tuple(getattr(m, f) for f in FIGURES) + (s.step, s.communication, s.exposed)
     fig.panel_used = {"model": setting.model, "strategy": m.strategy, "world_size": m.world_size}
