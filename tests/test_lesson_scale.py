@@ -165,3 +165,106 @@ def test_states_fit_adds_the_rules_states_to_the_rest_of_the_dry_run_peak():
     assert between[-1].estimate == row.peak  # at the dry-run N: the dry run's peak
     assert between[0].model_states == sum(states_rule(SHAPES["70B"], "tp_fsdp", 64, 8).values())
     assert between[0].rest == between[1].rest == row.peak - row.model_states
+
+
+# ---- the panel -----------------------------------------------------------------------------------------------------
+
+D128, D1024 = "lesson 08's GPT (d_model 128)", "section 3's GPT (d_model 1024)"
+
+
+def drawn_bars(ax) -> dict[float, list[float]]:
+    """{bar's y: the widths of its segments, left to right} of a horizontal bar chart."""
+    bars: dict[float, list[tuple[float, float]]] = {}
+    for p in ax.patches:
+        bars.setdefault(round(p.get_y() + p.get_height() / 2, 6), []).append((p.get_x(), p.get_width()))
+    return {y: [w for _, w in sorted(parts)] for y, parts in bars.items()}
+
+
+@pytest.mark.parametrize("model, strategy, world_size", [(D128, "ddp", 16), (D1024, "zero1", 8), (D128, "tp_fsdp", 8)])
+def test_scale_panel_draws_and_prints_what_the_engines_compute(capsys, model, strategy, world_size):
+    from anatomy_helpers.core.units import pick_unit
+    from anatomy_helpers.distributed.fit import FIGURES, dry_run_memory, format_fit_table
+    from anatomy_helpers.distributed.sync_model import scaling_curve
+    from anatomy_helpers.lessons.lesson11_scale import (
+        LINK,
+        PANEL_MODELS,
+        PEAK_FLOPS,
+        TP_LINK,
+        UTILISATION,
+        scale_panel,
+        scale_setting,
+    )
+    from anatomy_helpers.tracking.events import CATEGORIES as CATEGORIES_TRACKED
+
+    scale_setting.cache_clear()
+    fig = scale_panel(model, strategy, world_size)
+    printed = capsys.readouterr().out
+    spec = PANEL_MODELS[model]
+    tp = spec.tp if strategy == "tp_fsdp" else 1
+    # the engines, called here: the same global batch (rows per GPU x N) for the dry run and the step model
+    memory = dry_run_memory(spec.short, spec.config, strategy, world_size, tp, spec.rows_per_rank * tp)
+    network = dict(tp=tp, tp_link=TP_LINK) if tp > 1 else {}
+    (step,) = scaling_curve(spec.config, strategy, [world_size], rows_per_rank=spec.rows_per_rank,
+                            peak_flops=PEAK_FLOPS, utilisation=UTILISATION, link=LINK, **network)  # fmt: skip
+    setting = scale_setting(model, strategy, world_size)
+    assert setting.memory == memory and setting.step == step
+    assert format_fit_table([memory], device_bytes=None, unit="KiB" if memory.peak < 2**31 else "GiB") in printed
+    assert format_step_times({memory.label: [step]}, note_below=True) in printed
+    assert max(len(line) for line in printed.splitlines()) <= 104  # the panel's output is about 105 characters wide
+    assert fig.panel_used == {"model": model, "strategy": strategy, "world_size": world_size}
+    assert fig.panel_numbers == tuple(getattr(memory, f) for f in FIGURES) + (
+        step.step, step.communication, step.exposed)  # fmt: skip
+    left, right = fig.axes
+    scale = pick_unit(memory.peak)[1]
+    bars = drawn_bars(left)
+    ys = sorted(bars, reverse=True)  # top to bottom: the five categories, then the peak by category
+    fields = ("parameters", "gradients", "optimizer_state", "activations", "communication_peak")
+    assert [bars[y] for y in ys[:5]] == [[pytest.approx(getattr(memory, f) / scale, rel=1e-12)] for f in fields]
+    assert sum(bars[ys[5]]) == pytest.approx(memory.peak / scale, rel=1e-12)
+    stacked = [setting.peak.breakdown[c] / scale for c in CATEGORIES_TRACKED if setting.peak.breakdown.get(c)]
+    assert bars[ys[5]] == pytest.approx(stacked, rel=1e-12)  # left to right in the course's category order
+    times = drawn_bars(right)
+    assert sum(times[1.0]) == pytest.approx(step.step * 1e3, rel=1e-12)  # forward, backward, exposed: the step
+    assert sum(times[0.0]) == pytest.approx(step.communication * 1e3, rel=1e-12)  # exposed + hidden: every collective
+    assert times[1.0][:2] == [pytest.approx(step.forward * 1e3), pytest.approx(step.backward * 1e3)]
+    assert fig._suptitle.get_text() and left.get_xlabel().endswith("iB)") and right.get_xlabel().endswith("(ms)")
+    assert fig.legends  # the categories and the step's parts named
+
+
+def test_scale_panel_reports_the_model_its_dry_run_built_not_the_one_asked_for(monkeypatch):
+    from anatomy_helpers.lessons import lesson11_scale
+
+    models = list(lesson11_scale.PANEL_MODELS.values())
+    other = {m.config["d_model"]: o.config for m, o in zip(models, reversed(models))}
+    real = lesson11_scale._job
+
+    def swapped(model, *args):  # a panel that silently builds the other model
+        return real(other[model["d_model"]], *args)
+
+    lesson11_scale.scale_setting.cache_clear()
+    monkeypatch.setattr(lesson11_scale, "_job", swapped)
+    try:
+        fig = lesson11_scale.scale_panel(D128, "ddp", 8)
+    finally:
+        lesson11_scale.scale_setting.cache_clear()
+    assert fig.panel_used == {"model": D1024, "strategy": "ddp", "world_size": 8}
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(model="70B"), "model"),
+        (dict(strategy="fsdp2_zero2"), "strategy"),
+        (dict(strategy="tp"), "strategy"),
+        (dict(world_size=4096), "world_size"),
+        (dict(world_size=2), "world_size"),
+        (dict(world_size=8.0), "world_size"),
+        (dict(world_size=True), "world_size"),
+        (dict(world_size="8"), "world_size"),
+    ],
+)
+def test_scale_panel_refuses_a_setting_it_does_not_offer_by_name(kwargs, named):
+    from anatomy_helpers.lessons.lesson11_scale import scale_panel
+
+    with pytest.raises(ValueError, match=f"^{named} must be one of"):
+        scale_panel(**kwargs)
