@@ -27,7 +27,8 @@ import time
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from anatomy_helpers import ModelConfig, dryrun, fake_check
+from anatomy_helpers import ModelConfig
+from anatomy_helpers.prediction import dryrun, fake_check
 
 CONFIGS = {
     "default, batch 8": (ModelConfig(), dict(batch_size=8)),
