@@ -8,7 +8,7 @@ Two figures per configuration (the default model, and 7B-shaped GPT-2 and llama 
   new op signature once for real (a 7B-shaped run does that on its small twin, see dryrun.twin_config) and is timed
   against an unchecked dry run;
 * the first dry run of a later process (forgetting what this one checked): every signature is read from the cache on
-  disk the first run wrote (fake_check.py), and nothing runs for real;
+  disk the first run wrote (fake_check_cache.py), and nothing runs for real;
 * later dry runs: every signature was checked already, so the check costs one signature lookup per op; the
   median of ``--repeats`` runs each way, interleaved round-robin so that a machine that gets busier or quieter
   affects both alike.
@@ -28,7 +28,7 @@ import time
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from anatomy_helpers import ModelConfig
-from anatomy_helpers.prediction import dryrun, fake_check
+from anatomy_helpers.prediction import dryrun, fake_check, fake_check_cache
 
 CONFIGS = {
     "default, batch 8": (ModelConfig(), dict(batch_size=8)),
@@ -65,7 +65,7 @@ def forget() -> None:
     fake_check._PASSED.intersection_update(fake_check._ENTRY_OPS)
     fake_check._FAILED.clear()
     fake_check._ASKED.clear()
-    fake_check._DISK = None
+    fake_check_cache._current = None
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
     header = f"{'first: checked':>15} {'from disk':>10} {'unchecked':>10} {'later: checked':>15} {'unchecked':>10}"
     print(f"{'configuration':32} {header} ratio")
     for name, (cfg, kw) in CONFIGS.items():
-        cache = os.environ[fake_check.CACHE_DIR_ENV] = tempfile.mkdtemp(prefix="anatomy-cache-")  # an empty one
+        cache = os.environ[fake_check_cache.CACHE_DIR_ENV] = tempfile.mkdtemp(prefix="anatomy-cache-")  # an empty one
         forget()
         timed(cfg, kw, checked=False)  # first-call costs (imports, fake-mode caches), not timed
         first_unchecked = timed(cfg, kw, checked=False)

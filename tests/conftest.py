@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from anatomy_helpers import make_model, make_optimizer, track_steps  # noqa: E402
-from anatomy_helpers.prediction import fake_check  # noqa: E402
+from anatomy_helpers.prediction import fake_check, fake_check_cache  # noqa: E402
 from anatomy_helpers.tracking.events import AllocationRecord  # noqa: E402
 
 # One torch thread per xdist worker when scripts/test.sh runs two workers on two cores: two threads each would
@@ -32,11 +32,11 @@ def fresh_op_checks(monkeypatch, tmp_path):
     directory of the test's own, returned), so that a test sees the real kernels run; the suite's shared cache (the
     root conftest.py) and this process's checks are back after it."""
     directory = tmp_path / "op-check-cache"
-    monkeypatch.setenv(fake_check.CACHE_DIR_ENV, str(directory))
+    monkeypatch.setenv(fake_check_cache.CACHE_DIR_ENV, str(directory))
     monkeypatch.setattr(fake_check, "_PASSED", set(fake_check._ENTRY_OPS))
     monkeypatch.setattr(fake_check, "_FAILED", {})
     monkeypatch.setattr(fake_check, "_ASKED", set())
-    monkeypatch.setattr(fake_check, "_DISK", None)
+    monkeypatch.setattr(fake_check_cache, "_current", None)
     return directory
 
 

@@ -1,6 +1,6 @@
-"""The op checks' cache on disk (prediction/fake_check.py): a later process on the same machine and torch version
-checks no kernel again; another torch version or another fake_check.py checks again; a broken file is ignored;
-concurrent writers leave a whole file; ANATOMY_CACHE_DIR names the directory."""
+"""The op checks' cache on disk (prediction/fake_check_cache.py): a later process on the same machine and torch
+version checks no kernel again; another torch version or another source of the checks checks again; a broken file is
+ignored; concurrent writers leave a whole file; ANATOMY_CACHE_DIR names the directory."""
 
 import json
 import multiprocessing
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from anatomy_helpers.prediction import fake_check
+from anatomy_helpers.prediction import fake_check, fake_check_cache
 from anatomy_helpers.prediction.dryrun import DryRunError, dry_run
 
 # A dry run of the smallest model with a foreach optimizer (a signature that holds a set of tensor kinds: parameters
@@ -41,7 +41,7 @@ def new_process(monkeypatch):
     monkeypatch.setattr(fake_check, "_PASSED", set(fake_check._ENTRY_OPS))
     monkeypatch.setattr(fake_check, "_FAILED", {})
     monkeypatch.setattr(fake_check, "_ASKED", set())
-    monkeypatch.setattr(fake_check, "_DISK", None)
+    monkeypatch.setattr(fake_check_cache, "_current", None)
 
 
 def stored(directory) -> dict:
@@ -54,7 +54,7 @@ def test_a_later_process_checks_no_kernel_and_gets_the_same_trace(real_calls, fr
     first = tiny_trace()
     assert len(real_calls) > 5  # checked here, for real
     [(name, data)] = stored(fresh_op_checks).items()
-    assert data["namespace"] == fake_check.namespace() and len(data["results"]) == len(real_calls)
+    assert data["namespace"] == fake_check_cache.namespace() and len(data["results"]) == len(real_calls)
     assert any(re.search(r"\{\('cpu'[^{}]*\), \('cpu'", text) for text in data["results"])  # a set: sorted
     code = (
         "import torch\n"
@@ -84,10 +84,10 @@ def test_another_torch_version_or_source_checks_again(change, real_calls, fresh_
     new_process(monkeypatch)
     if change == "torch version":
         monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
-    else:  # a copy of this file with one more line: a rule changed
+    else:  # a copy of fake_check.py with one more line: a rule changed
         source = tmp_path / "fake_check.py"
         source.write_bytes(open(fake_check.__file__, "rb").read() + b"# changed\n")
-        monkeypatch.setattr(fake_check, "__file__", str(source))
+        monkeypatch.setattr(fake_check_cache, "_SOURCES", (source, *fake_check_cache._SOURCES[1:]))
     tiny_trace()
     assert len(real_calls) == 2 * first  # checked again, for real
     assert len(stored(fresh_op_checks)) == 2  # in a file of its own; the first is left alone
@@ -155,11 +155,11 @@ def test_what_is_not_stored_custom_ops_gpus_and_out_of_memory(real_calls, fresh_
     for device, stored_now in (("cuda", False), ("cpu", True)):
         meta = fake_check.TensorMeta((1,), (1,), 0, torch.float32, torch.device(device), 0, 4, False)
         fake_check._store(key, fake_check.OpCall(call.func, (meta,), {}, (), 4, "", True), "passed")
-        assert bool(fake_check._DISK.new) == stored_now
-    fake_check._DISK.new.clear()
+        assert bool(fake_check_cache._current.new) == stored_now
+    fake_check_cache._current.new.clear()
     # a real kernel out of memory: refused in this process only
     new_process(monkeypatch)
-    monkeypatch.setenv(fake_check.CACHE_DIR_ENV, str(tmp_path / "empty"))
+    monkeypatch.setenv(fake_check_cache.CACHE_DIR_ENV, str(tmp_path / "empty"))
     monkeypatch.setattr(fake_check, "_real_call", lambda call: (None, "OutOfMemoryError: try again later"))
     with pytest.raises(DryRunError, match="OutOfMemoryError"):
         tiny_trace()
@@ -167,8 +167,8 @@ def test_what_is_not_stored_custom_ops_gpus_and_out_of_memory(real_calls, fresh_
 
 
 def _write_many(directory: str, writer: int, rounds: int) -> None:
-    os.environ[fake_check.CACHE_DIR_ENV] = directory
-    disk = fake_check._DiskChecks(fake_check.cache_dir())
+    os.environ[fake_check_cache.CACHE_DIR_ENV] = directory
+    disk = fake_check_cache.DiskChecks(fake_check_cache.cache_dir())
     for i in range(rounds):
         disk.add(f"writer {writer} signature {i}", "passed")
         disk.write()
@@ -188,7 +188,7 @@ def _read_many(path: str, rounds: int, bad) -> None:
 def test_concurrent_writers_leave_a_whole_file(fresh_op_checks):
     """Four processes write 50 times each while a fifth reads: every read is whole JSON, and so is the file."""
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    path = fake_check._DiskChecks(fresh_op_checks).path
+    path = fake_check_cache.DiskChecks(fresh_op_checks).path
     bad = context.Value("i", 0)
     procs = [context.Process(target=_write_many, args=(str(fresh_op_checks), w, 50)) for w in range(4)]
     procs.append(context.Process(target=_read_many, args=(str(path), 2000, bad)))
@@ -198,26 +198,29 @@ def test_concurrent_writers_leave_a_whole_file(fresh_op_checks):
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0] * 5 and bad.value == 0
     [data] = stored(fresh_op_checks).values()
-    assert data["namespace"] == fake_check.namespace()
+    assert data["namespace"] == fake_check_cache.namespace()
     # the last writer's entries are all there (another's may be lost: checked again, see fake_check.py)
     assert any({f"writer {w} signature {i}" for i in range(50)} <= set(data["results"]) for w in range(4))
     assert not list(path.parent.glob(".op-checks-*"))  # no temporary file left
 
 
 def test_the_cache_dir_is_anatomy_cache_dir_else_the_users_cache(fresh_op_checks, monkeypatch, tmp_path):
-    assert fake_check.cache_dir() == fresh_op_checks
-    monkeypatch.delenv(fake_check.CACHE_DIR_ENV)
+    assert fake_check_cache.cache_dir() == fresh_op_checks
+    monkeypatch.delenv(fake_check_cache.CACHE_DIR_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("LOCALAPPDATA", str(tmp_path / "local"))
-    expected = {"win32": tmp_path / "local", "darwin": fake_check.Path.home() / "Library" / "Caches"}
-    assert fake_check.cache_dir() == expected.get(sys.platform, tmp_path / "xdg") / "training-step-anatomy"
+    expected = {"win32": tmp_path / "local", "darwin": fake_check_cache.Path.home() / "Library" / "Caches"}
+    assert fake_check_cache.cache_dir() == expected.get(sys.platform, tmp_path / "xdg") / "training-step-anatomy"
 
 
-def test_the_namespace_holds_torchs_version_and_this_files_source():
-    ns = fake_check.namespace()
+def test_the_namespace_holds_torchs_version_and_the_checks_source():
+    ns = fake_check_cache.namespace()
     assert ns["torch"] == torch.__version__ and ns["torch_git"] == torch.version.git_version
-    with open(fake_check.__file__, "rb") as f:
-        assert ns["fake_check"] == fake_check._digest(f.read())
+    sources = b""
+    for module in (fake_check, fake_check_cache):
+        with open(module.__file__, "rb") as f:
+            sources += f.read()
+    assert ns["sources"] == fake_check_cache._digest(sources)
     assert ns["cpu"]["torch_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
@@ -226,10 +229,11 @@ def test_a_signature_is_stored_as_text_the_same_in_every_process():
     (an object, an op of another namespace) leave the signature unstored."""
     kinds = frozenset({("cpu", torch.float32, 2, True, True), ("cpu", torch.float32, 1, True, True)})
     key = (torch.ops.aten._foreach_add.List, True, kinds, kinds, int)
-    assert fake_check._text(key) == (
+    assert fake_check_cache.signature_text(key) == (
         "(aten._foreach_add.List, True, {('cpu', dtype(torch.float32), 1, True, True), ('cpu', dtype(torch.float32), "
         "2, True, True)}, {('cpu', dtype(torch.float32), 1, True, True), ('cpu', dtype(torch.float32), 2, True, "
         "True)}, <class builtins.int>)"
     )
-    assert fake_check._text((torch.ops.aten.add.Tensor, True, object())) is None
-    assert fake_check._text((torch.ops.profiler._record_function_enter_new.default, True, "name")) is None
+    text = fake_check_cache.signature_text
+    assert text((torch.ops.aten.add.Tensor, True, object())) is None
+    assert text((torch.ops.profiler._record_function_enter_new.default, True, "name")) is None
