@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from anatomy_helpers import make_model, make_optimizer, track_steps  # noqa: E402
-from anatomy_helpers.tracking.events import AllocationRecord
+from anatomy_helpers.prediction import fake_check, fake_check_cache  # noqa: E402
+from anatomy_helpers.tracking.events import AllocationRecord  # noqa: E402
 
 # One torch thread per xdist worker when scripts/test.sh runs two workers on two cores: two threads each would
 # oversubscribe the cores, and OpenMP's waiting threads made the unit tests a third slower. Alone: two, as CI has.
@@ -23,6 +24,20 @@ SMALL = dict(n_layer=2, d_model=64, n_head=2, seq_len=32)
 @pytest.fixture(autouse=True)
 def _test_threads():
     torch.set_num_threads(THREADS)  # the same in every test, so runs are comparable
+
+
+@pytest.fixture
+def fresh_op_checks(monkeypatch, tmp_path):
+    """No op signature checked yet (prediction/fake_check.py), in this process or in the cache on disk (an empty
+    directory of the test's own, returned), so that a test sees the real kernels run; the suite's shared cache (the
+    root conftest.py) and this process's checks are back after it."""
+    directory = tmp_path / "op-check-cache"
+    monkeypatch.setenv(fake_check_cache.CACHE_DIR_ENV, str(directory))
+    monkeypatch.setattr(fake_check, "_PASSED", set(fake_check._ENTRY_OPS))
+    monkeypatch.setattr(fake_check, "_FAILED", {})
+    monkeypatch.setattr(fake_check, "_ASKED", set())
+    monkeypatch.setattr(fake_check_cache, "_current", None)
+    return directory
 
 
 @pytest.fixture

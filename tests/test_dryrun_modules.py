@@ -15,10 +15,8 @@ from .test_dryrun import assert_same_trace
 
 
 @pytest.fixture
-def nothing_checked(monkeypatch):
-    """Forget what this process has checked, so that the test sees the real kernels run."""
-    monkeypatch.setattr(fake_check, "_PASSED", set(fake_check._ENTRY_OPS))
-    monkeypatch.setattr(fake_check, "_FAILED", {})
+def nothing_checked(fresh_op_checks):
+    """Forget what this process and the cache on disk have checked, so that the test sees the real kernels run."""
 
 
 def real_and_dry(factory, batch, loss, optimizer="adamw", steps=2):

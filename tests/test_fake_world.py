@@ -221,10 +221,10 @@ def test_the_step_ops_are_checked_and_the_collectives_left_out():
     assert any(isinstance(key, tuple) and str(key[0]) == "aten.addmm.default" for key in fake_check._PASSED)
 
 
-def test_an_fsdp_rank_is_exact_as_the_first_dry_run_of_a_process():
+def test_an_fsdp_rank_is_exact_as_the_first_dry_run_of_a_process(tmp_path):
     """FSDP2 resizes its unsharded storages to 0; an op that only reads a tensor's metadata (prim.device) on one
-    must not be refused (fake_check: no output, nothing written, nothing to check). A fresh process: no op
-    signature checked before."""
+    must not be refused (fake_check: no output, nothing written, nothing to check). A fresh process and an empty
+    cache on disk: no op signature checked before."""
     import os
     import subprocess
     import sys
@@ -235,7 +235,7 @@ def test_an_fsdp_rank_is_exact_as_the_first_dry_run_of_a_process():
         f"r = dry_run_rank(RankJob('fsdp2_zero3', steps=1, batch_size=2, model={SMALL!r}), 2, 1).result\n"
         "print(r.model_states['optimizer_state'])\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", ANATOMY_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) == model_states_rule(SMALL, "fsdp2_zero3", 2, 1)["optimizer_state"]

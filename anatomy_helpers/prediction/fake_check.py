@@ -16,7 +16,8 @@ layout, and compares every output (shape, strides, storage offset, dtype, which 
 or other outputs, and that storage's bytes) and the inputs' storage bytes afterwards (``resize_``) with the fake
 run. What autograd saves is always an op's input or output, so that is covered too. A signature that matches is
 remembered for the rest of the process (:data:`_PASSED`): a later dry run, of any size, pays one dictionary
-lookup per op and runs nothing for real.
+lookup per op and runs nothing for real. It is also written to a cache on disk (below), so that a later process on
+the same machine and torch version runs nothing for real either.
 
 Why this and not a list of ops known to differ: a list is only as good as whoever wrote it, and goes stale with
 each torch release; the check asks the real kernel every time a new signature appears, and costs a few
@@ -34,6 +35,11 @@ What it cannot see, and the limits this puts on the guarantee:
   run; each of those is checked, but not the choice of path. The sweeps in tests/test_dryrun.py compare whole
   traces to catch that;
 * memory a kernel allocates and frees inside one op (kernel scratch) is not an output and is not checked.
+
+The cache on disk (fake_check_cache.py says where, and why a result read from it is as good as a check made now):
+each check's result, passed or how the fake kernel differed, is kept per torch build, machine, Python and the source
+of this file and that one, so that a later process runs no kernel for a signature checked before. Only ops of torch's
+own ``aten`` and ``prims`` namespaces on the CPU are stored.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..tracking.tracker import StepTracker
+from .fake_check_cache import PASSED, checks_on_disk, signature_text, write_checks
 
 #: The largest call (bytes of its inputs' storages and its outputs' new ones) run for real to check its fake kernel.
 MAX_CHECK_BYTES = 64 * 2**20
@@ -65,6 +72,8 @@ _ENTRY_OPS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default)
 
 _PASSED: set[tuple] = set(_ENTRY_OPS)  # signatures whose fake kernel matched the real one in this process
 _FAILED: dict[tuple, str] = {}  # signature -> how the fake kernel differed
+_ASKED: set[tuple] = set()  # signatures looked up in the cache on disk by this process (once each)
+_TRANSIENT = ("MemoryError", "OutOfMemoryError")  # a real kernel's refusals that are not stored on disk
 
 
 # A tensor's metadata asked through the dispatcher (prim.device, aten.size, aten.stride, aten.storage_offset):
@@ -187,7 +196,7 @@ class CheckedFakeTensorMode(FakeTensorMode):
 
     def _note(self, func, types, args, kwargs):
         key = signature(func, args, kwargs)  # before the call: an in-place op may change its inputs' layout
-        if key in _PASSED:
+        if key in _PASSED or (key not in _ASKED and _passed_on_disk(key)):
             return super().__torch_dispatch__(func, types, args, kwargs)
         flat_in = _tensors(args, kwargs)
         known = self.calls.get(key)
@@ -309,6 +318,13 @@ def check_calls(calls: dict[tuple, OpCall], max_bytes: int | None = None) -> tup
     :data:`MAX_CHECK_BYTES_16BIT_CPU` for a 16-bit matrix product on the CPU) or on a device this machine does not have.
     """
     max_bytes = MAX_CHECK_BYTES if max_bytes is None else max_bytes
+    try:
+        return _check_calls(calls, max_bytes)
+    finally:
+        write_checks()  # what this call checked, for later processes
+
+
+def _check_calls(calls: dict[tuple, OpCall], max_bytes: int) -> tuple[dict[tuple, str], list]:
     problems: dict[tuple, str] = {}
     unchecked: list[tuple] = []
     for key, call in calls.items():
@@ -327,13 +343,42 @@ def check_calls(calls: dict[tuple, OpCall], max_bytes: int | None = None) -> tup
             real, error = _real_call(call)
             if error is None and real == call.outcome:
                 _PASSED.add(key)
+                _store(key, call, PASSED)
                 continue
             if error is not None:
                 _FAILED[key] = f"the real kernel refused the fake run's inputs ({error})"
             else:
                 _FAILED[key] = _difference(call.outcome, real)
+            if error is None or not error.startswith(_TRANSIENT):
+                _store(key, call, _FAILED[key])
         problems[key] = f"{call.func} (first seen {call.where}): {_FAILED[key]}"
         # Stop at the first difference: later calls may take that op's outputs as inputs, and a real kernel fed
         # a fake kernel's wrong sizes can crash (mkldnn_rnn_layer_backward given an empty workspace does).
         break
     return problems, unchecked
+
+
+def _passed_on_disk(key: tuple) -> bool:
+    """Whether the cache on disk holds ``key`` as passed (then it is passed in this process too); a stored difference
+    is taken as this process's. Asked once per signature and process."""
+    _ASKED.add(key)
+    text = signature_text(key)
+    disk = checks_on_disk() if text is not None else None
+    result = disk.results.get(text) if disk is not None else None
+    if result == PASSED:
+        _PASSED.add(key)
+        return True
+    if result is not None:
+        _FAILED[key] = result
+    return False
+
+
+def _store(key: tuple, call: OpCall, result: str) -> None:
+    """Keep a check's result for the cache on disk if its signature is stored (fake_check_cache.py): not a call with
+    a tensor or a device off the CPU (a GPU's kernels depend on the GPU and its driver)."""
+    text = signature_text(key)
+    parts = tree_flatten((call.args, call.kwargs))[0]
+    devices = [a.device if isinstance(a, TensorMeta) else a for a in parts if isinstance(a, (TensorMeta, torch.device))]
+    disk = checks_on_disk() if text is not None and all(d.type == "cpu" for d in devices) else None
+    if disk is not None:
+        disk.add(text, result)
