@@ -185,15 +185,8 @@ def test_scale_panel_draws_and_prints_what_the_engines_compute(capsys, model, st
     from anatomy_helpers.core.units import pick_unit
     from anatomy_helpers.distributed.fit import FIGURES, dry_run_memory, format_fit_table
     from anatomy_helpers.distributed.sync_model import scaling_curve
-    from anatomy_helpers.lessons.lesson11_scale import (
-        LINK,
-        PANEL_MODELS,
-        PEAK_FLOPS,
-        TP_LINK,
-        UTILISATION,
-        scale_panel,
-        scale_setting,
-    )
+    from anatomy_helpers.lessons.lesson11_panel import PANEL_MODELS, scale_panel, scale_setting
+    from anatomy_helpers.lessons.lesson11_scale import LINK, PEAK_FLOPS, TP_LINK, UTILISATION
     from anatomy_helpers.tracking.events import CATEGORIES as CATEGORIES_TRACKED
 
     scale_setting.cache_clear()
@@ -232,21 +225,21 @@ def test_scale_panel_draws_and_prints_what_the_engines_compute(capsys, model, st
 
 
 def test_scale_panel_reports_the_model_its_dry_run_built_not_the_one_asked_for(monkeypatch):
-    from anatomy_helpers.lessons import lesson11_scale
+    from anatomy_helpers.lessons import lesson11_panel
 
-    models = list(lesson11_scale.PANEL_MODELS.values())
+    models = list(lesson11_panel.PANEL_MODELS.values())
     other = {m.config["d_model"]: o.config for m, o in zip(models, reversed(models))}
-    real = lesson11_scale._job
+    real = lesson11_panel.rank_job
 
     def swapped(model, *args):  # a panel that silently builds the other model
         return real(other[model["d_model"]], *args)
 
-    lesson11_scale.scale_setting.cache_clear()
-    monkeypatch.setattr(lesson11_scale, "_job", swapped)
+    lesson11_panel.scale_setting.cache_clear()
+    monkeypatch.setattr(lesson11_panel, "rank_job", swapped)
     try:
-        fig = lesson11_scale.scale_panel(D128, "ddp", 8)
+        fig = lesson11_panel.scale_panel(D128, "ddp", 8)
     finally:
-        lesson11_scale.scale_setting.cache_clear()
+        lesson11_panel.scale_setting.cache_clear()
     assert fig.panel_used == {"model": D1024, "strategy": "ddp", "world_size": 8}
 
 
@@ -264,7 +257,7 @@ def test_scale_panel_reports_the_model_its_dry_run_built_not_the_one_asked_for(m
     ],
 )
 def test_scale_panel_refuses_a_setting_it_does_not_offer_by_name(kwargs, named):
-    from anatomy_helpers.lessons.lesson11_scale import scale_panel
+    from anatomy_helpers.lessons.lesson11_panel import scale_panel
 
     with pytest.raises(ValueError, match=f"^{named} must be one of"):
         scale_panel(**kwargs)

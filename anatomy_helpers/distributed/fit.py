@@ -71,8 +71,9 @@ class RankMemory:
         return f"tp{self.tp} x fsdp2" if self.strategy == "tp_fsdp" else self.strategy
 
 
-def _job(model: dict, strategy: str, world_size: int, tp: int, rows: int):
-
+def rank_job(model: dict, strategy: str, world_size: int, tp: int, rows: int) -> RankJob:
+    """The one rank's job of ``model`` under ``strategy`` on ``world_size`` ranks (``tp``-way tensor parallel),
+    ``rows`` rows per data-parallel rank: what :func:`dry_run_memory` (and lesson 11's panel) dry-run."""
     return RankJob(strategy, steps=1, batch_size=rows * world_size // tp, model=dict(model), tp=tp)
 
 
@@ -90,7 +91,7 @@ def dry_run_memory(
     """Rank ``rank``'s memory from a full dry run of ``model`` (fake_world.dry_run_rank), ``rows`` rows per
     data-parallel rank."""
 
-    return memory_of(name, dry_run_rank(_job(model, strategy, world_size, tp, rows), world_size, rank).result, tp)
+    return memory_of(name, dry_run_rank(rank_job(model, strategy, world_size, tp, rows), world_size, rank).result, tp)
 
 
 def memory_of(name: str, result, tp: int = 1) -> RankMemory:
