@@ -10,6 +10,8 @@ import re
 import numpy as np
 from matplotlib.collections import PolyCollection
 
+from anatomy_helpers.tracking.events import CATEGORIES
+
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
@@ -112,3 +114,14 @@ def horizontal_lines(ax) -> list[float]:
 def numbers_in(text: str) -> list[float]:
     """The numbers a label states, in order ("peak 1.2 MiB", "+1,024 B" -> [1.2], [1024])."""
     return [float(n.replace(",", "")) for n in re.findall(r"[-+]?\d[\d,]*(?:\.\d+)?", text)]
+
+
+def assert_stack_is_the_trace(ax, trace, also=()):
+    """Each category's layer draws that category's live bytes at every memory event (the trace's own arrays), and
+    no layer draws anything else (but the areas labelled in ``also``)."""
+    tl = trace.timeline
+    drawn = stacked_bytes(ax, np.arange(len(tl)))
+    expected = {c.replace("_", " "): tl.category(c)[:-1] for c in CATEGORIES if tl.category(c).any()}
+    assert set(drawn) - set(also) == set(expected)
+    for label, values in expected.items():
+        np.testing.assert_allclose(drawn[label], values, rtol=1e-9, atol=1e-6, err_msg=label)

@@ -9,6 +9,7 @@ from anatomy_helpers import CATEGORY_COLORS, make_model, make_optimizer, plot_mo
 from anatomy_helpers.tracking.events import CATEGORIES
 
 from .conftest import SMALL
+from .figure_data import assert_stack_is_the_trace
 
 
 @pytest.fixture(scope="module")
@@ -302,24 +303,11 @@ def test_a_panel_says_it_is_measuring_while_it_runs_and_takes_no_room_after():
 # ---- the plotted data against the numbers each figure claims to draw (tests/figure_data.py reads a figure back) ----
 
 
-def _assert_stack_is_the_trace(ax, trace):
-    """Each category's layer draws that category's live bytes at every memory event (the trace's own arrays), and
-    no layer draws anything else."""
-    from .figure_data import stacked_bytes
-
-    tl = trace.timeline
-    drawn = stacked_bytes(ax, np.arange(len(tl)))
-    expected = {c.replace("_", " "): tl.category(c)[:-1] for c in CATEGORIES if tl.category(c).any()}
-    assert set(drawn) == set(expected)
-    for label, values in expected.items():
-        np.testing.assert_allclose(drawn[label], values, rtol=1e-9, atol=1e-6, err_msg=label)
-
-
 def test_the_timeline_draws_each_categorys_bytes_and_marks_the_peak_where_it_is(trace):
     from .figure_data import numbers_in, unit_bytes, vertical_lines
 
     ax = plot_timeline(trace).axes[0]
-    _assert_stack_is_the_trace(ax, trace)
+    assert_stack_is_the_trace(ax, trace)
     scale = unit_bytes(ax.get_ylabel())
     totals = trace.timeline.bytes.sum(axis=1)  # the peak: the most bytes alive at one event, found here
     i = int(np.argmax(totals))
@@ -339,7 +327,7 @@ def test_each_of_several_timelines_draws_its_own_trace(trace):
     checkpointed = track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=2)
     fig = plot_timelines({"none": trace, "full": checkpointed})
     for ax, tr in zip(fig.axes, (trace, checkpointed), strict=True):
-        _assert_stack_is_the_trace(ax, tr)
+        assert_stack_is_the_trace(ax, tr)
 
 
 def test_module_bars_draw_each_modules_live_bytes_per_category(trace):
@@ -401,7 +389,7 @@ def test_the_budget_line_and_the_failing_allocation_are_drawn_where_the_run_says
     ax = plot_budget_run(failed.trace, failed.budget).axes[0]
     scale = unit_bytes(ax.get_ylabel())
     assert [y * scale for y in horizontal_lines(ax)] == [pytest.approx(2**20)]
-    _assert_stack_is_the_trace(ax, failed.trace)
+    assert_stack_is_the_trace(ax, failed.trace)
     tl = failed.trace.timeline
     [cross] = [ln for ln in ax.get_lines() if ln.get_marker() == "X"]
     last = len(tl) - 1  # the allocation that went over is the trace's last event
@@ -419,5 +407,5 @@ def test_the_tours_panel_draws_the_run_it_describes(capsys):
     fig = track_and_plot(batch_size=2, seq_len=16, n_layer=1, optimizer="sgd", steps=1)
     model = make_model(device="cpu", seq_len=16, n_layer=1)
     again = track_steps(model, make_optimizer(model, "sgd"), steps=1, batch_size=2)
-    _assert_stack_is_the_trace(fig.axes[0], again)
+    assert_stack_is_the_trace(fig.axes[0], again)
     assert f"peak {again.timeline.bytes.sum(axis=1).max() / 2**20:.2f} MiB" in capsys.readouterr().out
