@@ -275,10 +275,10 @@ def test_the_panel_shows_what_the_implementation_changes():
 
 
 def test_optimizer_bars_stack_each_optimizers_model_states_up_to_its_peak(capsys):
-    """Each bar (notebook 03's panel): parameters, gradients and optimizer state as step 2's optimizer phase begins, counted here from the
-    model's tensors (sgd keeps no state, momentum one buffer, Adam and AdamW two moments and a step per tensor), topped
-    up to the run's peak; the number over it states the peak, and AdamW's peak is what a second tracked run of the
-    same setup measures."""
+    """Each bar (notebook 03's panel): parameters, gradients and optimizer state as step 2's optimizer phase begins,
+    counted here from the model's tensors (sgd keeps no state, momentum one buffer, Adam and AdamW two moments and a
+    step per tensor), topped up to the run's peak; the number over it states the peak, and AdamW's peak is what a
+    second tracked run of the same setup measures."""
     from .figure_data import numbers_in, unit_bytes
 
     fig = optimizer_bars(d_model=32, n_layer=1, batch_size=2, seq_len=16, device="cpu")
