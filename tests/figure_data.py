@@ -39,15 +39,17 @@ def bands(collection: PolyCollection, xs) -> tuple[np.ndarray, np.ndarray]:
     flat part)."""
     e = _edges(collection)
     lo, hi = np.minimum(e[:, 0], e[:, 2]), np.maximum(e[:, 0], e[:, 2])
-    bottom, top = [], []
-    for x in np.asarray(xs, dtype=float):
-        k = (lo <= x) & (x <= hi)
-        if not k.any():
-            raise ValueError(f"the area {collection.get_label()!r} does not reach x = {x}")
-        y = e[k, 1] + (e[k, 3] - e[k, 1]) * (x - e[k, 0]) / (e[k, 2] - e[k, 0])
-        bottom.append(y.min())
-        top.append(y.max())
-    return np.array(bottom), np.array(top)
+    xs = np.asarray(xs, dtype=float)
+    bottom, top = np.empty(len(xs)), np.empty(len(xs))
+    for a in range(0, len(xs), 256):  # 256 verticals at a time against every edge
+        x = xs[a : a + 256, None]
+        crosses = (lo <= x) & (x <= hi)
+        if not crosses.any(axis=1).all():
+            raise ValueError(f"the area {collection.get_label()!r} does not reach every x of {xs[a : a + 256]}")
+        y = e[:, 1] + (e[:, 3] - e[:, 1]) * (x - e[:, 0]) / (e[:, 2] - e[:, 0])
+        bottom[a : a + 256] = np.where(crosses, y, np.inf).min(axis=1)
+        top[a : a + 256] = np.where(crosses, y, -np.inf).max(axis=1)
+    return bottom, top
 
 
 def areas(ax) -> dict[str, PolyCollection]:

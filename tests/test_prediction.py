@@ -533,3 +533,57 @@ def test_a_fit_request_is_checked_once_for_both_questions():
             cheapest_fix(cfg, 8, **bad)
     with pytest.raises(TypeError, match="gpu"):  # a misspelt option is not silently ignored
         will_it_fit(cfg, 8, gpu="t4")
+
+
+# ---- the plotted data against what each figure claims (tests/figure_data.py reads a figure back) ----
+
+
+def test_predicted_vs_measured_puts_each_configuration_at_its_peaks_and_states_each_miss():
+    from anatomy_helpers.lessons.lesson06_prediction import MethodComparison, plot_predicted_vs_measured
+
+    from .figure_data import numbers_in
+
+    def comparison(label, measured, dry, closed):  # two phases each: the step peak is the larger
+        phases = ((1, "forward"), (2, "backward"))
+        return MethodComparison(
+            label, dict(zip(phases, measured)), dict(zip(phases, dry)), dict(zip(phases, closed)), dry_run_s=0.1
+        )
+
+    MiB = 2**20
+    rows = [
+        comparison("a", (3 * MiB, 5 * MiB), (3 * MiB, 5 * MiB), (3 * MiB, 5 * MiB + 4096)),
+        comparison("b", (8 * MiB, 2 * MiB), (8 * MiB - 512, MiB), (7 * MiB, 2 * MiB)),
+    ]
+    ax, misses = plot_predicted_vs_measured(rows).axes
+    dry, closed = ax.collections  # the dry run's circles, then the closed form's dots: (measured, predicted) MiB
+    assert dry.get_offsets().tolist() == [[5, 5], [8, 8 - 512 / MiB]]
+    assert closed.get_offsets().tolist() == [[5, 5 + 4096 / MiB], [8, 7]]
+    dry_miss, closed_miss = misses.collections  # predicted - measured step peak, bytes, a row per configuration
+    assert dry_miss.get_offsets()[:, 0].tolist() == [0, -512] and closed_miss.get_offsets()[:, 0].tolist() == [
+        4096,
+        -MiB,
+    ]
+    stated = [numbers_in(t.get_text()) for t in misses.texts]
+    assert stated == [[0], [-512], [4096], [-MiB]]
+
+
+def test_the_fit_panel_draws_the_dry_run_of_its_settings():
+    """fit_panel (notebook 06's panel): its bars are the report will_it_fit gives for the same settings."""
+    import contextlib
+    import io
+
+    from anatomy_helpers.lessons.lesson06_prediction import SHAPES
+    from anatomy_helpers.prediction.devices import DEFAULT_GPU
+
+    from .figure_data import bars, unit_bytes
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        fig = fit_panel(batch_size=2, seq_len=64, optimizer="sgd", checkpoint="full")
+    cfg = ModelConfig(**SHAPES["toy (4 x 256)"], seq_len=64, checkpoint="full", attn_impl="manual")
+    report = will_it_fit(cfg, 2, device=DEFAULT_GPU, optimizer="sgd", implementation="foreach")
+    ax = fig.axes[0]
+    scale = unit_bytes(ax.get_ylabel())
+    for i, phase in enumerate(report.phases):
+        stack = [b for b in bars(ax) if b[0] < i < b[0] + b[2]]
+        assert max(y + h for _, y, _, h, _ in stack) * scale == pytest.approx(max(phase.reserved, phase.tensors))
+        assert sum(h for _, _, _, h, c in stack if c != "#ffffff") * scale == pytest.approx(phase.tensors)
