@@ -850,6 +850,13 @@ MUTANTS = [
         ("tests/test_plots.py::test_phases_too_narrow_to_name_are_shaded_and_the_legend_names_the_shading",),
     ),
     Mutant(
+        "plots.two-categories-one-colour",
+        "ui/plots.py",
+        '"gradients": "#E69F00",  # orange',
+        '"gradients": "#D55E00",  # orange',
+        ("tests/test_plots.py::test_every_category_has_a_colour_of_its_own_that_no_shading_uses",),
+    ),
+    Mutant(
         "explain_plot.unclassified-from-zero",
         "ui/explain_plot.py",
         "ax.fill_between(xs, classified / scale, tl.total / scale",

@@ -409,3 +409,13 @@ def test_the_tours_panel_draws_the_run_it_describes(capsys):
     again = track_steps(model, make_optimizer(model, "sgd"), steps=1, batch_size=2)
     assert_stack_is_the_trace(fig.axes[0], again)
     assert f"peak {again.timeline.bytes.sum(axis=1).max() / 2**20:.2f} MiB" in capsys.readouterr().out
+
+
+def test_every_category_has_a_colour_of_its_own_that_no_shading_uses():
+    """Two categories in one colour would read as one in every figure and legend (a copy-paste of a hex code)."""
+    from anatomy_helpers.ui.plots import PHASE_SHADES, STEP_LINE
+
+    colours = [matplotlib.colors.to_hex(CATEGORY_COLORS[c]) for c in CATEGORIES]
+    assert len(set(colours)) == len(CATEGORIES), dict(zip(CATEGORIES, colours))
+    background = {matplotlib.colors.to_hex(c) for c in [*PHASE_SHADES.values(), STEP_LINE, "white"]}
+    assert not set(colours) & background
