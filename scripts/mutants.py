@@ -1001,8 +1001,8 @@ def check_snippets(mutants=MUTANTS, root: Path = ROOT) -> list[str]:
 
 #: What the tests need besides the package and the tests: the delivery files the delivery mutants change and the
 #: tests of them read (README's badges, the learner copies, the site's staging, the [hf] extra).
-DELIVERY = ("README.md", "CONTRIBUTING.md", "pyproject.toml", "requirements.txt", "requirements-dev.txt", "docs",
-            "notebooks", "learner", "scripts", "site", "binder", "jupyter")  # fmt: skip
+DELIVERY = ("README.md", "CONTRIBUTING.md", "LICENSE", ".github", "pyproject.toml", "requirements.txt",
+            "requirements-dev.txt", "docs", "notebooks", "learner", "scripts", "site", "binder", "jupyter")  # fmt: skip
 
 
 def _copy_tree(dest: Path) -> None:
