@@ -166,3 +166,26 @@ def test_the_segment_map_draws_every_block_at_its_offset_in_its_categorys_colour
         (0, 512, 1024, to_hex(CATEGORY_COLORS["parameters"])),
     ]
     assert ax.get_title() == "Segments: 2 held, 22 MiB reserved, 0.0 MiB allocated"
+
+
+def test_the_panels_draw_the_runs_they_print(capsys):
+    """allocator_panel and budget_panel (notebook 04): the tracked line and the budget run's stack are the bytes of
+    the same settings tracked here again, and the budget line is the budget asked for."""
+    import numpy as np
+
+    from anatomy_helpers import make_model, make_optimizer, track_steps
+    from anatomy_helpers.training.budget import try_budget
+
+    from .figure_data import assert_stack_is_the_trace, horizontal_lines, line, unit_bytes
+
+    fig = allocator_panel(batch_size=2, steps=2, device="cpu", **SMALL)
+    model = make_model(device="cpu", **SMALL)
+    again = track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=2)
+    ax = fig.axes[0]
+    tracked = line(ax, "tracked tensor bytes (exact)")
+    np.testing.assert_allclose(tracked.get_ydata() * unit_bytes(ax.get_ylabel()), again.timeline.bytes.sum(axis=1))
+    fig = budget_panel(budget_mib=1, batch_size=2, steps=2, device="cpu", **SMALL)
+    ax = fig.axes[0]
+    assert_stack_is_the_trace(ax, try_budget(MiB, 2, "adamw", "none", 2, "cpu", **SMALL).trace)
+    assert [y * unit_bytes(ax.get_ylabel()) for y in horizontal_lines(ax)] == [MiB]
+    capsys.readouterr()
