@@ -33,6 +33,7 @@ from anatomy_helpers.training.step import flop_counter, gpt_loss
 from anatomy_helpers.ui.plots import DEVICE_LINE_RANGE, plot_fit
 
 from .conftest import SMALL
+from .figure_data import horizontal_lines
 
 
 def test_devices_carry_both_totals_and_a_fit_uses_what_a_process_sees():
@@ -458,10 +459,6 @@ def test_the_panel_says_when_no_cuda_rule_states_a_combination_and_shows_the_cpu
     assert "the CPU kernels' rules" in out and "usable on 14.58 GiB device: 14.08 GiB" in out  # as a process sees it
 
 
-def _horizontal_lines(ax) -> list[float]:
-    return [line.get_ydata()[0] for line in ax.lines if len(set(line.get_ydata())) == 1]
-
-
 def test_fit_plot_scales_to_the_bars_and_names_the_device_lines():
     """The y-axis holds the tallest bar and fills at least 1/DEVICE_LINE_RANGE of it; the usable line (and the
     capacity's) is drawn when within that range, named in the legend (outside the axes, clear of the bars), and
@@ -486,7 +483,7 @@ def test_fit_plot_scales_to_the_bars_and_names_the_device_lines():
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         usable_entry = [t for t in legend if t.startswith("usable on T4")]
         assert len(usable_entry) == 1, legend
-        lines = _horizontal_lines(ax)
+        lines = horizontal_lines(ax)
         if in_range:
             assert any(y == pytest.approx(usable / scale) for y in lines) and usable / scale <= top
             assert "off the scale" not in usable_entry[0]
