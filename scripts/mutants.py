@@ -1,7 +1,8 @@
 """Named mutants of the course's central logic, each of which the unit tests must kill.
 
 A mutant is one deliberate bug: an exact snippet of a package file replaced by a wrong one (a peak that takes the
-second-highest sample, an allocator that never reuses a cached block, a closed form that drops a term). For each
+second-highest sample, an allocator that never reuses a cached block, a closed form that drops a term), or of a
+delivery file (``folder=""``: README, pyproject, the learner copies' and the site's scripts). For each
 mutant this script copies the package and the tests to a temporary folder, applies the mutant there (the working
 tree is never touched), runs the unit tests the mutant names with ``pytest -x -q`` on one thread, and says whether
 they failed (killed: good) or passed (survived: a hole in the tests). It prints a table and the score, and exits
@@ -32,10 +33,15 @@ PKG = "anatomy_helpers"
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    file: str  # relative to anatomy_helpers/
+    file: str  # relative to ``folder``
     original: str  # must occur exactly once in the file
     replacement: str
     tests: tuple[str, ...]  # pytest arguments (files or node ids) that must fail with the mutant in place
+    folder: str = PKG  # "": the repository root (a delivery file)
+
+    @property
+    def path(self) -> str:
+        return f"{self.folder}/{self.file}" if self.folder else self.file
 
 
 TRACE, ALLOC, EST = "tracking/trace.py", "prediction/allocator.py", "prediction/estimate.py"
@@ -821,6 +827,156 @@ MUTANTS = [
         "reserved=np.asarray(reserved_after, dtype=np.int64)",
         ("tests/test_explain.py::test_the_h200_snapshot_steps_and_reserved_memory_are_what_torch_measured",),
     ),
+    # ---- figures: what is plotted is the number the figure claims (issue #42; tests/figure_data.py reads it back)
+    Mutant(
+        "plots.stack-drawn-one-event-early",
+        "ui/plots.py",
+        'step="post",\n        linewidth=0,',
+        'step="pre",\n        linewidth=0,',
+        ("tests/test_plots.py::test_the_timeline_draws_each_categorys_bytes_and_marks_the_peak_where_it_is",),
+    ),
+    Mutant(
+        "plots.scaling-compute-forward-only",  # escaped in #42: the "compute" line drew the forward alone
+        "ui/plots.py",
+        "[(r.forward + r.backward) * 1e3 for r in rows]",
+        "[r.forward * 1e3 for r in rows]",
+        ("tests/test_sync_model.py::test_the_scaling_plot_has_one_line_per_strategy_and_units",),
+    ),
+    Mutant(
+        "plots.legend-without-the-shading",  # the step in backward's narrow phases shaded, their shading unnamed
+        "ui/plots.py",
+        "    if unnamed:  # some phases were too narrow to name",
+        "    if False:  # some phases were too narrow to name",
+        ("tests/test_plots.py::test_phases_too_narrow_to_name_are_shaded_and_the_legend_names_the_shading",),
+    ),
+    Mutant(
+        "plots.two-categories-one-colour",
+        "ui/plots.py",
+        '"gradients": "#E69F00",  # orange',
+        '"gradients": "#D55E00",  # orange',
+        ("tests/test_plots.py::test_every_category_has_a_colour_of_its_own_that_no_shading_uses",),
+    ),
+    Mutant(
+        "explain_plot.unclassified-from-zero",
+        "ui/explain_plot.py",
+        "ax.fill_between(xs, classified / scale, tl.total / scale",
+        "ax.fill_between(xs, 0 * classified, tl.total / scale",
+        (
+            "tests/test_explain.py::"
+            "test_the_explained_figure_draws_each_categorys_bytes_the_unclassified_rest_and_reserved",
+        ),
+    ),
+    Mutant(
+        "lesson02.category-max-is-the-phases-first-value",
+        "lessons/lesson02_backward.py",
+        "k = x0 + int(np.argmax(values[x0 : x1 + 1]))",
+        "k = x0",
+        ("tests/test_backward.py::test_the_category_plot_draws_its_bytes_and_states_each_phases_maximum",),
+    ),
+    Mutant(
+        "lesson03.bars-read-step-1s-states",
+        "lessons/lesson03_optimizer.py",
+        "states = trace.at(trace.optimizer_phase(2).start - 1)",
+        "states = trace.at(trace.optimizer_phase(1).start - 1)",
+        ("tests/test_optimizer.py::test_optimizer_bars_stack_each_optimizers_model_states_up_to_its_peak",),
+    ),
+    Mutant(
+        "lesson03.panel-ignores-its-implementation",  # a panel control that changes nothing
+        "lessons/lesson03_optimizer.py",
+        "opt = build_optimizer(model, name, implementation)",
+        'opt = build_optimizer(model, name, "single-tensor")',
+        ("tests/test_optimizer.py::test_the_panel_shows_what_the_implementation_changes",),
+    ),
+    Mutant(
+        "lesson04.segment-blocks-at-offset-0",
+        "lessons/lesson04_first_step.py",
+        "left=b.offset / MiB,",
+        "left=0,",
+        ("tests/test_first_step.py::test_the_segment_map_draws_every_block_at_its_offset_in_its_categorys_colour",),
+    ),
+    Mutant(
+        "lesson06.closed-form-miss-against-the-dry-run",
+        "lessons/lesson06_prediction.py",
+        'misses["closed form"] = [c.peaks[2] - c.peaks[0] for c in comparisons]',
+        'misses["closed form"] = [c.peaks[2] - c.peaks[1] for c in comparisons]',
+        (
+            "tests/test_prediction.py::test_predicted_vs_measured_puts_each_configuration_at_its_peaks_and_states_each_miss",
+        ),
+    ),
+    Mutant(
+        "lesson08.collective-marked-one-event-late",
+        "lessons/lesson08_scaling.py",
+        "xi = xs[min(max(c.index, 0), len(xs) - 1)]",
+        "xi = xs[min(max(c.index + 1, 0), len(xs) - 1)]",
+        (
+            "tests/test_distributed.py::test_rank_timelines_draw_each_ranks_bytes_and_mark_each_collective_where_it_was_issued",
+        ),
+    ),
+    Mutant(
+        "lesson09.panel-clamps-seq-len",  # escaped in #42: the browser test re-measured and passed
+        "lessons/lesson09_finetune.py",
+        "ft = panel_fine_tune(lora_rank, batch_size, seq_len)",
+        "ft = panel_fine_tune(lora_rank, batch_size, min(seq_len, 1024))",
+        ("tests/test_lesson_finetune.py::test_fit_panel_hf_reports_the_settings_its_dry_run_used",),
+    ),
+    Mutant(
+        "lesson11.timed-plot-draws-the-fastest-step",
+        "lessons/lesson11_scale.py",
+        "s = steps[len(steps) // 2]",
+        "s = steps[0]",
+        ("tests/test_timed_step.py::test_the_timeline_plot_draws_each_ranks_median_step_and_its_buckets",),
+    ),
+    # ---- delivery (issue #42): what a learner opens, checked without a browser or a network
+    Mutant(
+        "readme.colab-badge-without-blob",
+        "README.md",
+        "[![Open the tour in Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+        "(https://colab.research.google.com/github/training-step-anatomy/training-step-anatomy/blob/main/",
+        "[![Open the tour in Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+        "(https://colab.research.google.com/github/training-step-anatomy/training-step-anatomy/main/",
+        ("tests/test_course.py::test_readme_badges_open_the_tour",),
+        folder="",
+    ),
+    Mutant(
+        "learner.copies-keep-their-outputs",
+        "scripts/learner_copies.py",
+        'cell["outputs"] = []',
+        "pass",
+        ("tests/test_course.py::test_learner_copies_are_in_sync_with_the_notebooks",),
+        folder="",
+    ),
+    Mutant(
+        "learner.image-to-a-github-page",  # escaped in #42
+        "scripts/learner_copies.py",
+        'return f"{m.group(1)}https://raw.githubusercontent.com/{slug}/{ref}/{path})"',
+        'return f"{m.group(1)}https://github.com/{slug}/blob/{ref}/{path})"',
+        ("tests/test_links.py::test_a_lesson_image_stays_an_image_in_the_learner_copy_and_on_the_site",),
+        folder="",
+    ),
+    Mutant(
+        "site.image-to-a-github-page",  # escaped in #42
+        "scripts/site.py",
+        'return f"{m.group(1)}https://raw.githubusercontent.com/{slug}/{ref}/{path}{m.group(3)}"',
+        'return f"{m.group(1)}https://github.com/{slug}/blob/{ref}/{path}{m.group(3)}"',
+        ("tests/test_links.py::test_a_lesson_image_stays_an_image_in_the_learner_copy_and_on_the_site",),
+        folder="",
+    ),
+    Mutant(
+        "site.colab-link-without-blob",  # escaped in #42: Colab answers 404
+        "scripts/site.py",
+        'f"https://colab.research.google.com/github/{slug}/blob/{ref}/learner/{name}",',
+        'f"https://colab.research.google.com/github/{slug}/{ref}/learner/{name}",',
+        ("tests/test_links.py::test_every_link_and_image_of_the_sites_staged_pages_opens",),
+        folder="",
+    ),
+    Mutant(
+        "pyproject.hf-extra-without-peft",  # escaped in #42: Binder linked in the host's peft
+        "pyproject.toml",
+        'hf = ["transformers>=5.0", "peft>=0.18"]',
+        'hf = ["transformers>=5.0"]',
+        ("tests/test_layout.py::test_every_module_the_hf_path_imports_is_in_the_hf_extra",),
+        folder="",
+    ),
 ]
 
 
@@ -831,25 +987,31 @@ def check_snippets(mutants=MUTANTS, root: Path = ROOT) -> list[str]:
     for dup in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"{dup}: two mutants have this name")
     for m in mutants:
-        path = root / PKG / m.file
+        path = root / m.path
         if not path.exists():
-            problems.append(f"{m.name}: {PKG}/{m.file} does not exist")
+            problems.append(f"{m.name}: {m.path} does not exist")
             continue
-        count = path.read_text().count(m.original)
+        count = path.read_text(encoding="utf-8").count(m.original)
         if count != 1:
-            problems.append(f"{m.name}: its original snippet occurs {count} times in {PKG}/{m.file}, not once")
+            problems.append(f"{m.name}: its original snippet occurs {count} times in {m.path}, not once")
         if m.original == m.replacement:
             problems.append(f"{m.name}: the replacement is the original")
     return problems
 
 
+#: What the tests need besides the package and the tests: the delivery files the delivery mutants change and the
+#: tests of them read (README's badges, the learner copies, the site's staging, the [hf] extra).
+DELIVERY = ("README.md", "CONTRIBUTING.md", "LICENSE", ".github", "pyproject.toml", "requirements.txt",
+            "requirements-dev.txt", "docs", "notebooks", "learner", "scripts", "site", "binder", "jupyter")  # fmt: skip
+
+
 def _copy_tree(dest: Path) -> None:
-    """What the unit tests need: the package, the tests, the project's configuration."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in (PKG, "tests"):
-        shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
-    for name in ("pyproject.toml",):
-        if (ROOT / name).exists():
+    """What the unit tests need: the package, the tests, the project's configuration and delivery files."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "_build")
+    for name in (PKG, "tests", *DELIVERY):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+        elif (ROOT / name).exists():
             shutil.copy2(ROOT / name, dest / name)
 
 
@@ -864,9 +1026,9 @@ def _killer(output: str) -> str:
 
 def run_mutant(m: Mutant, tree: Path, timeout_s: float) -> tuple[bool, str, float]:
     """Apply ``m`` in ``tree``, run its tests, restore the file: (killed, by which test, seconds)."""
-    path = tree / PKG / m.file
-    source = path.read_text()
-    path.write_text(source.replace(m.original, m.replacement, 1))
+    path = tree / m.path
+    source = path.read_text(encoding="utf-8")
+    path.write_text(source.replace(m.original, m.replacement, 1), encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTEST_XDIST_WORKER_COUNT", None)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *m.tests]
@@ -882,7 +1044,7 @@ def run_mutant(m: Mutant, tree: Path, timeout_s: float) -> tuple[bool, str, floa
     except subprocess.TimeoutExpired:
         return True, f"(timed out after {timeout_s:.0f} s)", time.perf_counter() - start
     finally:
-        path.write_text(source)
+        path.write_text(source, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -907,7 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [m for m in MUTANTS if m.name in args.only]
     if args.list:
         for m in chosen:
-            print(f"{m.name:48s} {PKG}/{m.file:26s} {' '.join(m.tests)}")
+            print(f"{m.name:48s} {m.path:42s} {' '.join(m.tests)}")
         return 0
 
     width = max(len(m.name) for m in chosen)

@@ -191,3 +191,51 @@ def test_backward_peak_panel_prints_the_peak_it_plots(capsys):
     assert f"(event {pk.index - window[0] + 1} of {len(window)}), in {pk.module}:" in printed
     assert f"gradients {pk.breakdown['gradients'] / MiB:.2f}" in printed
     assert plt.get_fignums() == []
+
+
+# ---- the plotted data against what each figure claims (tests/figure_data.py reads a figure back) ----
+
+
+def test_the_backward_parts_stack_to_the_steps_live_activations_and_gradients(small_trace):
+    """Each panel's layers are the parts' bytes through step 2's backward; stacked, they are all the activations
+    (gradients) alive at each event, read here from the trace's own timeline."""
+    from .figure_data import areas, bands, unit_bytes
+
+    profile = backward_profile(small_trace, 2)
+    fig = plot_backward_parts(profile)
+    idx = small_trace.window(2, "backward")
+    assert list(profile.samples) == list(idx)
+    mid = np.arange(len(idx) - 1) + 0.5
+    for ax, category, data in zip(fig.axes, ("activations", "gradients"), (profile.activations, profile.gradients)):
+        scale = unit_bytes(ax.get_ylabel())
+        layers = areas(ax)
+        tops = np.max([bands(c, mid)[1] for c in layers.values()], axis=0) * scale
+        np.testing.assert_allclose(tops, small_trace.timeline.category(category)[idx][:-1], atol=1e-6)
+        for label, collection in layers.items():
+            bottom, top = bands(collection, mid)
+            np.testing.assert_allclose((top - bottom) * scale, data[:-1, profile.parts.index(label)], atol=1e-6)
+
+
+def test_the_category_plot_draws_its_bytes_and_states_each_phases_maximum(small_trace):
+    from .figure_data import numbers_in, step_heights, unit_bytes
+
+    ax = plot_category(small_trace, "temporaries", 2).axes[0]
+    scale = unit_bytes(ax.get_ylabel())
+    idx = np.flatnonzero(small_trace.timeline.step == 2)
+    values = small_trace.timeline.category("temporaries")[idx]
+    [area] = ax.collections  # the one filled area (the phases are shaded with patches)
+    np.testing.assert_allclose(step_heights(area, np.arange(len(idx))) * scale, values[:-1], atol=1e-6)
+    notes = {t.get_text().split(":")[0]: t for t in ax.texts}
+    for phase in ("forward", "backward", "optimizer"):
+        most = small_trace.timeline.category("temporaries")[small_trace.window(2, phase)].max()
+        assert numbers_in(notes[phase].get_text()) == [round(most / scale, 2)]
+        assert notes[phase].xy[1] * scale == pytest.approx(most)
+
+
+def test_the_backward_peak_panel_draws_the_run_it_prints():
+    from .figure_data import assert_stack_is_the_trace
+
+    fig = backward_peak_panel(n_layer=1, batch_size=2, device="cpu")
+    model = make_model(device="cpu", n_layer=1)
+    again = track_steps(model, make_optimizer(model, "sgd"), steps=1, batch_size=2, optimizer_step=False)
+    assert_stack_is_the_trace(fig.axes[0], again)

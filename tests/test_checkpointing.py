@@ -463,3 +463,61 @@ def test_cuda_peaks_beside_the_tracker():
     by = {r.label: r for r in rows}
     assert by["full"].allocated < by["none"].allocated and by["offload"].allocated < by["none"].allocated
     assert "max_memory_allocated" in format_cuda_peaks(rows)
+
+
+# ---- the plotted data against what each figure claims (tests/figure_data.py reads a figure back) ----
+
+
+def test_the_pareto_plot_puts_each_policy_at_its_time_and_peak_and_draws_the_front_through_the_unbeaten(runs):
+    from .figure_data import line, unit_bytes
+
+    rows, _ = runs
+    timed = with_time_ratios(rows, {r.label: 1.0 + 0.1 * i for i, r in enumerate(rows)})  # made-up, distinct times
+    ax = plot_pareto(timed).axes[0]
+    scale = unit_bytes(ax.get_ylabel())
+    dots = [(ln.get_xdata()[0], ln.get_ydata()[0] * scale) for ln in ax.get_lines() if ln.get_marker() == "o"]
+    assert dots == [(r.time_ratio, pytest.approx(r.peak)) for r in timed]
+    labels = {tuple(t.xy): t.get_text() for t in ax.texts}
+    assert sorted(", ".join(sorted(v.split(", "))) for v in labels.values()) == sorted(r.label for r in timed)
+    # the front: every policy no other is at least as fast and as small as (found here by comparing all pairs)
+    unbeaten = [
+        r for r in timed
+        if not any(o.time_ratio <= r.time_ratio and o.peak <= r.peak and o is not r for o in timed)
+    ]  # fmt: skip
+    front = line(ax, "Pareto front")
+    drawn = sorted(zip(front.get_xdata(), front.get_ydata() * scale))
+    assert drawn == [(r.time_ratio, pytest.approx(r.peak)) for r in sorted(unbeaten, key=lambda r: r.time_ratio)]
+
+
+def test_the_peak_moment_marks_where_the_forward_ends(runs):
+    from .figure_data import vertical_lines
+
+    _, traces = runs
+    trace = traces["full"]
+    fig = plot_peak_moment(trace, step=2)
+    forward_end = trace.window(2, "forward")[-1]  # the last memory event of step 2's forward
+    assert forward_end in vertical_lines(fig.axes[0])
+    [note] = [t for t in fig.axes[0].texts if "forward ends" in t.get_text()]
+    assert note.get_position()[0] == forward_end
+
+
+def test_the_every_k_plot_draws_the_measured_bytes_the_count_and_the_two_rules():
+    import math
+
+    from .figure_data import line, unit_bytes, vertical_lines
+
+    sweep = every_k_sweep(6, [1, 2, 3, 6], device="cpu")
+    ax = plot_every_k(sweep, k=2).axes[0]
+    scale = unit_bytes(ax.get_ylabel())
+    measured = line(ax, "measured")
+    assert list(measured.get_xdata()) == [1, 2, 3, 6]
+    assert list(measured.get_ydata() * scale) == pytest.approx(sweep.measured)
+    counted = line(ax, "counted")  # (L/k) x + k A + the position ids, at every k from 1 to L
+    x, a = sweep.block_input, sweep.block_activations
+    assert list(counted.get_ydata() * scale) == pytest.approx(
+        [every_k_model(6, k, x, a) + sweep.constant for k in range(1, 7)]
+    )
+    best = min(range(4), key=lambda i: sweep.measured[i])
+    [low] = [ln for ln in ax.get_lines() if ln.get_label().startswith("measured minimum")]
+    assert (low.get_xdata()[0], low.get_ydata()[0] * scale) == ([1, 2, 3, 6][best], pytest.approx(sweep.measured[best]))
+    assert sorted(vertical_lines(ax)) == pytest.approx(sorted([math.sqrt(6), math.sqrt(6 * x / a), 2]))

@@ -243,3 +243,19 @@ def test_rank_timelines_put_one_rank_of_each_strategy_side_by_side(world):
     assert [ax.get_title() for ax in shown] == [f"{s}, rank 0" for s in world]
     assert fig.get_size_inches()[0] == pytest.approx(plot_rank_timelines(world).get_size_inches()[0])
     assert fig.get_size_inches()[0] * 100 <= NOTEBOOK_COLUMN_PX
+
+
+def test_rank_timelines_draw_each_ranks_bytes_and_mark_each_collective_where_it_was_issued(world):
+    from anatomy_helpers.lessons.lesson08_scaling import plot_rank_timelines
+
+    from .figure_data import assert_stack_is_the_trace
+
+    fig = plot_rank_timelines(world)
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    for strategy, ranks in world.items():
+        for r in ranks:
+            ax = panels[f"{strategy}, rank {r.rank}"]
+            assert_stack_is_the_trace(ax, r.trace)
+            last = len(r.trace.timeline) - 1
+            marks = sorted(ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_marker() not in ("None", None, ""))
+            assert marks == sorted(min(max(c.index, 0), last) for c in r.collectives)

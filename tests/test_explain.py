@@ -435,3 +435,23 @@ def test_a_cuda_profile_by_hand_sum_before_unclassified_reserved_from_the_trace(
     assert any("a profile gives only their sum" in why for why in answer.unclassified_at_peak)
     gz = write(tmp_path, "cuda.json.gz", gzip.compress(path.read_bytes()))  # export_chrome_trace("....json.gz")
     assert explain(gz).to_dict()["phases"] == answer.to_dict()["phases"]
+
+
+def test_the_explained_figure_draws_each_categorys_bytes_the_unclassified_rest_and_reserved():
+    """Against the recording's own timeline: each category's layer, the unclassified band from the classified bytes
+    up to every byte alive, and the reserved line, event by event."""
+    from anatomy_helpers.prediction.explain import UNCLASSIFIED
+    from anatomy_helpers.ui.explain_plot import plot_explained
+
+    from .figure_data import areas, assert_stack_is_the_trace, bands, line, unit_bytes
+
+    ex = explain_events(snapshot_events(pickle.loads(GPU_REFERENCE.read_bytes()), "h200"))
+    ax = plot_explained(ex).axes[0]
+    tl = ex.trace.timeline
+    assert_stack_is_the_trace(ax, ex.trace, also=(UNCLASSIFIED, "reserved"))
+    scale = unit_bytes(ax.get_ylabel())
+    bottom, top = bands(areas(ax)[UNCLASSIFIED], np.arange(len(tl) - 1) + 0.5)
+    np.testing.assert_allclose(bottom * scale, tl.bytes.sum(axis=1)[:-1], atol=1e-3)
+    np.testing.assert_allclose(top * scale, tl.total[:-1], atol=1e-3)
+    assert (tl.total > tl.bytes.sum(axis=1)).any()  # something is unclassified: the band is not empty
+    np.testing.assert_allclose(line(ax, "reserved").get_ydata() * scale, tl.cuda_reserved)

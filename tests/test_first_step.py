@@ -113,3 +113,79 @@ def test_panels_print_and_plot(capsys):
     assert fig.axes[0].get_title() == "adamw, batch 2, checkpoint none: every step fits"
     out = capsys.readouterr().out
     assert "batch 2: tracked peak" in out and "budget 1.00 MiB: step 1 FAILED" in out
+
+
+# ---- the plotted data against what each figure claims (tests/figure_data.py reads a figure back) ----
+
+
+def test_the_allocator_plot_draws_the_replays_counters_and_the_tracked_bytes(small_trace):
+    """The lines are the replay's memory_allocated / memory_reserved after each row of the record, placed at the
+    row's timeline sample, and the trace's own total; allocated holds every tracked byte (rounded up to blocks)
+    and reserved holds what is allocated."""
+    import numpy as np
+
+    from anatomy_helpers.ui.plots import CATEGORY_COLORS
+
+    from .figure_data import line, unit_bytes
+
+    result = replay(small_trace.allocation_record())
+    ax = plot_allocator(result, small_trace).axes[0]
+    scale = unit_bytes(ax.get_ylabel())
+    on = result.sample >= 0
+    reserved, allocated = line(ax, "reserved (segments)"), line(ax, "allocated (blocks: the tensors rounded up)")
+    for drawn, values in ((reserved, result.reserved[on]), (allocated, result.allocated[on])):
+        assert list(drawn.get_xdata()) == list(result.sample[on])
+        np.testing.assert_allclose(drawn.get_ydata() * scale, values)
+    tracked = line(ax, "tracked tensor bytes (exact)")
+    np.testing.assert_allclose(tracked.get_ydata() * scale, small_trace.timeline.bytes.sum(axis=1))
+    assert tracked.get_color() == CATEGORY_COLORS["activations"]
+    at = result.sample[on]
+    assert (result.allocated[on] >= small_trace.timeline.bytes.sum(axis=1)[at]).all()
+    assert (result.reserved >= result.allocated).all()
+
+
+def test_the_segment_map_draws_every_block_at_its_offset_in_its_categorys_colour():
+    from matplotlib.colors import to_hex
+
+    from anatomy_helpers.ui.plots import CATEGORY_COLORS
+
+    from .figure_data import bars
+
+    rows = [(1, 0, 3 * MiB), (1, 1, 512), (1, 2, 1024), (1, 0, -3 * MiB)]  # then the 3 MiB block is freed
+    cats = [CATEGORIES.index(c) for c in ("activations", "gradients", "parameters")]
+    sim = allocator_at(make_record(rows), 3)
+    ax = plot_segment_map(sim, cats).axes[0]
+    drawn = bars(ax)
+    white = to_hex("white")
+    # small #1 (row 0): a 2 MiB segment holding the 512 B gradient block and the 1 KiB parameter block after it;
+    # large #0 (row 1): a 20 MiB segment whose only block is now cached (no coloured bar)
+    assert sorted((y + 0.4, w * MiB) for _, y, w, _, c in drawn if c == white) == [(0, 2 * MiB), (1, 20 * MiB)]
+    blocks = sorted((round(y + 0.4), x * MiB, w * MiB, c) for x, y, w, _, c in drawn if c != white)
+    assert blocks == [
+        (0, 0, 512, to_hex(CATEGORY_COLORS["gradients"])),
+        (0, 512, 1024, to_hex(CATEGORY_COLORS["parameters"])),
+    ]
+    assert ax.get_title() == "Segments: 2 held, 22 MiB reserved, 0.0 MiB allocated"
+
+
+def test_the_panels_draw_the_runs_they_print(capsys):
+    """allocator_panel and budget_panel (notebook 04): the tracked line and the budget run's stack are the bytes of
+    the same settings tracked here again, and the budget line is the budget asked for."""
+    import numpy as np
+
+    from anatomy_helpers import make_model, make_optimizer, track_steps
+    from anatomy_helpers.training.budget import try_budget
+
+    from .figure_data import assert_stack_is_the_trace, horizontal_lines, line, unit_bytes
+
+    fig = allocator_panel(batch_size=2, steps=2, device="cpu", **SMALL)
+    model = make_model(device="cpu", **SMALL)
+    again = track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=2)
+    ax = fig.axes[0]
+    tracked = line(ax, "tracked tensor bytes (exact)")
+    np.testing.assert_allclose(tracked.get_ydata() * unit_bytes(ax.get_ylabel()), again.timeline.bytes.sum(axis=1))
+    fig = budget_panel(budget_mib=1, batch_size=2, steps=2, device="cpu", **SMALL)
+    ax = fig.axes[0]
+    assert_stack_is_the_trace(ax, try_budget(MiB, 2, "adamw", "none", 2, "cpu", **SMALL).trace)
+    assert [y * unit_bytes(ax.get_ylabel()) for y in horizontal_lines(ax)] == [MiB]
+    capsys.readouterr()

@@ -186,3 +186,72 @@ def test_plot_formula_vs_measured_has_a_pair_of_bars_per_term():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["QKV input", "MLP dropout mask"]
     assert [p.get_width() for p in ax.patches] == [2, 1, 2, 2]  # formula bars, then measured bars (MiB)
     assert [t.get_text().strip() for t in ax.texts] == ["+1.000"]  # only the term that differs is labelled
+
+
+# ---- the plotted data against what each figure claims (tests/figure_data.py reads a figure back) ----
+
+
+def test_the_buildup_line_draws_the_live_activations_of_the_forward(fp32_forward):
+    import numpy as np
+
+    from .figure_data import line, numbers_in, unit_bytes
+
+    _, trace, _, _, named = fp32_forward
+    fig = plot_activation_buildup(trace, named)
+    ax, bx = fig.axes
+    scale = unit_bytes(ax.get_ylabel())
+    forward = trace.window(1, "forward")
+    acts = trace.timeline.category("activations")[forward]
+    live = line(ax, "activations (live)")
+    assert list(live.get_xdata()) == list(range(len(forward)))
+    np.testing.assert_allclose(live.get_ydata() * scale, acts)
+    # a dot on the line just before each block (and the head) starts: the bytes alive when it begins
+    starts = activations_at_block_starts(trace)
+    dots = sorted(float(ln.get_ydata()[0]) * scale for ln in ax.get_lines() if ln.get_marker() == "o")
+    assert dots == pytest.approx(sorted(v for v in starts.values() if v), abs=1e-6)
+    # each bar's label states its width (MiB), the part's saved bytes
+    parts = activations_by_part(named)
+    assert [numbers_in(t.get_text())[0] for t in bx.texts] == [
+        round(v / unit_bytes(bx.get_xlabel()), 2) for v in parts.values()
+    ]
+
+
+def test_saved_by_module_draws_each_sub_modules_first_saved_storages(fp32_forward):
+    """Each bar: the bytes of the distinct activation storages a sub-module of blocks.0 saved first, summed here from
+    the trace's saved tensors (the first row naming each storage), and its label states that number."""
+    from .figure_data import numbers_in, unit_bytes
+
+    _, trace, _, _, named = fp32_forward
+    first: dict[int, object] = {}
+    for t in trace.saved:
+        first.setdefault(t.storage, t)
+    want: dict[str, int] = {}
+    for t in first.values():
+        if t.category == "activations" and t.module.startswith("blocks.0"):
+            want[t.module] = want.get(t.module, 0) + t.storage_bytes
+    ax = plot_saved_by_module(named).axes[0]
+    scale = unit_bytes(ax.get_xlabel())
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    assert dict(zip(names, (p.get_width() * scale for p in ax.patches), strict=True)) == pytest.approx(want)
+    assert [numbers_in(t.get_text())[0] for t in ax.texts] == [round(want[n] / scale, 2) for n in names]
+
+
+def test_the_scaling_plot_draws_the_measured_points_and_the_exact_fits_through_them():
+    import numpy as np
+
+    from .figure_data import line, unit_bytes
+
+    res = measure_scaling("manual", (1, 2, 3), (8, 16, 24), n_layer=1, d_model=32, n_head=2)
+    ax, bx = plot_scaling([res]).axes
+    scale = unit_bytes(ax.get_ylabel())
+    for axes, xs, ys, degree in ((ax, res.batch_sizes, res.batch_bytes, 1), (bx, res.seq_lens, res.seq_bytes, 2)):
+        measured = line(axes, "manual: measured")
+        assert list(measured.get_xdata()) == xs and list(measured.get_ydata() * scale) == pytest.approx(ys)
+        [fit] = [ln for ln in axes.get_lines() if ln.get_label().startswith("manual: fit")]
+        exact = np.polyfit(xs, ys, degree)  # through every measured point: the fit the plot says it draws
+        assert np.polyval(exact, xs) == pytest.approx(ys)
+        np.testing.assert_allclose(fit.get_ydata() * scale, np.polyval(exact, fit.get_xdata()), rtol=1e-6)
+    linear = line(bx, "manual: its linear part")  # the quadratic's a + b·s: the gap to the fit is its c·s²
+    c2, c1, c0 = np.polyfit(res.seq_lens, res.seq_bytes, 2)
+    assert c2 > 0
+    np.testing.assert_allclose(linear.get_ydata() * scale, c0 + c1 * linear.get_xdata(), rtol=1e-6)

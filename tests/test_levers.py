@@ -536,3 +536,22 @@ def test_the_step_in_backward_peaks_in_an_optimizer_phase_inside_backward():
     assert where.phase == "optimizer" and where.backward_after  # an optimizer piece, with backward still to run
     _, _, plain = trained(2)
     assert not in_backward_peak(plain).backward_after and in_backward_peak(plain).optimizer_pieces == 1
+
+
+def test_the_panel_draws_the_two_runs_it_compares(capsys):
+    """lever_panel's two timelines are the plain step and the step with the lever, each tracked here again without
+    the lesson's levers or its cache (the same bytes, event by event)."""
+    from anatomy_helpers.lessons.lesson10_optimizations import OPTIMIZER_BATCH, OPTIMIZER_BOUND, lever_panel
+
+    from .figure_data import assert_stack_is_the_trace
+
+    fig = lever_panel("optimizer-bound", "optimizer step in backward", device="cpu")
+    capsys.readouterr()
+    plain = make_model(device="cpu", **OPTIMIZER_BOUND)
+    fused = make_model(device="cpu", **OPTIMIZER_BOUND)
+    runs = (
+        track_steps(plain, make_optimizer(plain), 2, OPTIMIZER_BATCH),
+        track_steps(fused, make_optimizer(fused, in_backward=True), 2, OPTIMIZER_BATCH),
+    )
+    for ax, trace in zip(fig.axes, runs, strict=True):
+        assert_stack_is_the_trace(ax, trace)

@@ -272,3 +272,34 @@ def test_the_panel_shows_what_the_implementation_changes():
         marks = [line for line in fig.axes[0].get_lines() if line.get_marker() == "D"]
         assert len(marks) == 1 and "optimizer-phase peak" in marks[0].get_label()
     assert len(set(digests.values())) == 3
+
+
+def test_optimizer_bars_stack_each_optimizers_model_states_up_to_its_peak(capsys):
+    """Each bar (notebook 03's panel): parameters, gradients and optimizer state as step 2's optimizer phase begins,
+    counted here from the model's tensors (sgd keeps no state, momentum one buffer, Adam and AdamW two moments and a
+    step per tensor), topped up to the run's peak; the number over it states the peak, and AdamW's peak is what a
+    second tracked run of the same setup measures."""
+    from .figure_data import numbers_in, unit_bytes
+
+    fig = optimizer_bars(d_model=32, n_layer=1, batch_size=2, seq_len=16, device="cpu")
+    capsys.readouterr()
+    ax = fig.axes[0]
+    scale = unit_bytes(ax.get_ylabel())
+    names = [t.get_text() for t in ax.get_xticklabels()]
+    assert names == ["sgd", "momentum", "adam", "adamw"]
+    model = make_model(device="cpu", d_model=32, n_layer=1, n_head=4, seq_len=16)
+    params = list(model.parameters())
+    n, tensors = sum(p.numel() for p in params), len(params)
+    weights = storage_bytes([*params, *model.buffers()])  # the buffers (the causal mask) count as parameters
+    state = {"sgd": 0, "momentum": 4 * n, "adam": 8 * n + 4 * tensors, "adamw": 8 * n + 4 * tensors}
+    heights = {c.get_label(): [b.get_height() * scale for b in c.patches] for c in ax.containers}
+    assert heights["parameters"] == pytest.approx([weights] * 4) and heights["gradients"] == pytest.approx([4 * n] * 4)
+    assert heights["optimizer state"] == pytest.approx([state[name] for name in names])
+    tops = [max(b.get_y() + b.get_height() for b in ax.patches if abs(b.get_x() + b.get_width() / 2 - i) < 0.01)
+            for i in range(4)]  # fmt: skip
+    assert [numbers_in(t.get_text())[0] for t in ax.texts] == [round(top, 1) for top in tops]
+    again = track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=2)
+    assert tops[3] * scale == pytest.approx(again.timeline.bytes.sum(axis=1).max())
+    [diamonds] = [ln for ln in ax.get_lines() if ln.get_marker() == "D"]
+    in_phase = again.timeline.bytes[again.window(2, "optimizer")].sum(axis=1).max()
+    assert diamonds.get_ydata()[3] * scale == pytest.approx(in_phase)

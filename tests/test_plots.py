@@ -1,4 +1,5 @@
 import matplotlib
+import numpy as np
 import pytest
 
 matplotlib.use("Agg")
@@ -8,6 +9,7 @@ from anatomy_helpers import CATEGORY_COLORS, make_model, make_optimizer, plot_mo
 from anatomy_helpers.tracking.events import CATEGORIES
 
 from .conftest import SMALL
+from .figure_data import assert_stack_is_the_trace
 
 
 @pytest.fixture(scope="module")
@@ -331,3 +333,124 @@ def test_a_panel_opens_with_a_hint_and_measures_only_when_a_control_moves(monkey
     assert calls == [(3, "x"), (3, "y")] and hint.layout.display == "none"  # the hint does not come back
     next(c for c in panel.children if isinstance(c, w.IntSlider)).value = 2
     assert calls[-1] == (2, "y") and len(calls) == 3  # back at a default: measured like any other setting
+
+
+# ---- the plotted data against the numbers each figure claims to draw (tests/figure_data.py reads a figure back) ----
+
+
+def test_the_timeline_draws_each_categorys_bytes_and_marks_the_peak_where_it_is(trace):
+    from .figure_data import numbers_in, unit_bytes, vertical_lines
+
+    ax = plot_timeline(trace).axes[0]
+    assert_stack_is_the_trace(ax, trace)
+    scale = unit_bytes(ax.get_ylabel())
+    totals = trace.timeline.bytes.sum(axis=1)  # the peak: the most bytes alive at one event, found here
+    i = int(np.argmax(totals))
+    [marker] = [ln for ln in ax.get_lines() if ln.get_marker() == "v"]
+    assert (marker.get_xdata()[0], marker.get_ydata()[0] * scale) == (i, pytest.approx(totals[i]))
+    [label] = [t.get_text() for t in ax.texts if t.get_text().startswith("peak ")]
+    assert numbers_in(label.splitlines()[0]) == [round(totals[i] / scale, 1)]
+    # a dashed line where each training step's first phase begins
+    starts = sorted({min(ph.start for ph in trace.phases() if ph.step == s and ph.phase != "idle") for s in (1, 2)})
+    assert sorted(vertical_lines(ax)) == starts
+
+
+def test_each_of_several_timelines_draws_its_own_trace(trace):
+    from anatomy_helpers import plot_timelines
+
+    model = make_model(device="cpu", checkpoint="full", **SMALL)
+    checkpointed = track_steps(model, make_optimizer(model, "adamw"), steps=2, batch_size=2)
+    fig = plot_timelines({"none": trace, "full": checkpointed})
+    for ax, tr in zip(fig.axes, (trace, checkpointed), strict=True):
+        assert_stack_is_the_trace(ax, tr)
+
+
+def test_module_bars_draw_each_modules_live_bytes_per_category(trace):
+    """Each bar segment is one module's live bytes of one category at the end of step 1's forward, summed here
+    from the storages alive then (the trace's live_allocations; the legend's totals have their own test)."""
+    from anatomy_helpers.ui.plots import OUTSIDE_MODULES
+
+    from .figure_data import unit_bytes
+
+    end = trace.window(1, "forward")[-1]
+    want: dict[tuple[str, str], int] = {}
+    for a in trace.live_allocations(end):
+        module = ".".join(a.module.split(".")[:2])
+        want[module, a.category] = want.get((module, a.category), 0) + a.bytes
+    ax = plot_module_bars(trace, step=1, phase="forward").axes[0]
+    scale = unit_bytes(ax.get_xlabel())
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    drawn = {}
+    for container in ax.containers:
+        category = container.get_label().split(" (")[0].replace(" ", "_")
+        for row, bar in zip(rows, container.patches, strict=True):
+            if bar.get_width():
+                drawn["-" if row == OUTSIDE_MODULES else row, category] = bar.get_width() * scale
+    assert drawn == pytest.approx({k: v for k, v in want.items() if v})
+
+
+def test_optimizer_phase_panels_draw_the_moment_before_and_every_event_of_the_phase(trace):
+    from anatomy_helpers.ui.plots import plot_optimizer_phase
+
+    from .figure_data import areas, numbers_in, step_heights, unit_bytes
+
+    fig = plot_optimizer_phase({"adamw": trace}, steps=(1, 2))
+    for ax, step in zip(fig.axes, (1, 2), strict=True):
+        idx = trace.window(step, "optimizer")
+        rows = np.vstack([trace.timeline.bytes[idx[0] - 1], trace.timeline.bytes[idx]])  # just before, then the phase
+        scale = unit_bytes(fig.axes[0].get_ylabel())  # the panels share the first one's y axis
+        layers = {label: step_heights(c, np.arange(len(rows))) * scale for label, c in areas(ax).items()}
+        expected = {c.replace("_", " "): rows[:-1, j] for j, c in enumerate(CATEGORIES) if rows[:, j].any()}
+        assert set(layers) == set(expected)
+        for label, values in expected.items():
+            np.testing.assert_allclose(layers[label], values, atol=1e-6, err_msg=label)
+        [box] = [t.get_text() for t in ax.texts if t.get_text().startswith("state ")]
+        state = trace.timeline.category("optimizer_state")
+        temps = trace.timeline.category("temporaries")
+        before, after = state[idx[0] - 1], state[idx[-1]]
+        peak = idx[0] - 1 + int(np.argmax(trace.timeline.bytes[np.r_[idx[0] - 1, idx]].sum(axis=1)))
+        assert numbers_in(box) == pytest.approx(
+            [before / scale, after / scale, (temps[peak] - temps[idx[0] - 1]) / scale], abs=0.05
+        )
+
+
+def test_the_budget_line_and_the_failing_allocation_are_drawn_where_the_run_says():
+    from anatomy_helpers.training.budget import try_budget
+    from anatomy_helpers.ui.plots import plot_budget_run
+
+    from .figure_data import horizontal_lines, numbers_in, unit_bytes
+
+    failed = try_budget(2**20, batch_size=2, steps=2, **SMALL)
+    ax = plot_budget_run(failed.trace, failed.budget).axes[0]
+    scale = unit_bytes(ax.get_ylabel())
+    assert [y * scale for y in horizontal_lines(ax)] == [pytest.approx(2**20)]
+    assert_stack_is_the_trace(ax, failed.trace)
+    tl = failed.trace.timeline
+    [cross] = [ln for ln in ax.get_lines() if ln.get_marker() == "X"]
+    last = len(tl) - 1  # the allocation that went over is the trace's last event
+    assert (cross.get_xdata()[0], cross.get_ydata()[0] * scale) == (last, pytest.approx(tl.bytes[last].sum()))
+    [note] = [t.get_text() for t in ax.texts if t.get_text().startswith("out of budget")]
+    asked = tl.bytes[last].sum() - tl.bytes[last - 1].sum()
+    assert numbers_in(note)[-1] == pytest.approx(asked / scale, abs=0.005)
+
+
+def test_the_tours_panel_draws_the_run_it_describes(capsys):
+    """track_and_plot (notebook 00's panel): the timeline is of the run the line above it describes (the same
+    settings tracked here again give the same bytes, event by event)."""
+    from anatomy_helpers import track_and_plot
+
+    fig = track_and_plot(batch_size=2, seq_len=16, n_layer=1, optimizer="sgd", steps=1)
+    model = make_model(device="cpu", seq_len=16, n_layer=1)
+    again = track_steps(model, make_optimizer(model, "sgd"), steps=1, batch_size=2)
+    assert_stack_is_the_trace(fig.axes[0], again)
+    assert f"peak {again.timeline.bytes.sum(axis=1).max() / 2**20:.2f} MiB" in capsys.readouterr().out
+
+
+def test_every_category_has_a_colour_of_its_own_that_no_shading_uses():
+    """Two categories in one colour would read as one in every figure and legend (a copy-paste of a hex code)."""
+    from anatomy_helpers.ui.plots import PHASE_SHADES, STEP_LINE
+
+    colours = [matplotlib.colors.to_hex(CATEGORY_COLORS[c]) for c in CATEGORIES]
+    assert len(set(colours)) == len(CATEGORIES), dict(zip(CATEGORIES, colours))
+    background = {matplotlib.colors.to_hex(c) for c in [*PHASE_SHADES.values(), STEP_LINE, "white"]}
+    assert not set(colours) & background

@@ -33,6 +33,7 @@ from anatomy_helpers.training.step import flop_counter, gpt_loss
 from anatomy_helpers.ui.plots import DEVICE_LINE_RANGE, plot_fit
 
 from .conftest import SMALL
+from .figure_data import horizontal_lines
 
 
 def test_devices_carry_both_totals_and_a_fit_uses_what_a_process_sees():
@@ -458,10 +459,6 @@ def test_the_panel_says_when_no_cuda_rule_states_a_combination_and_shows_the_cpu
     assert "the CPU kernels' rules" in out and "usable on 14.58 GiB device: 14.08 GiB" in out  # as a process sees it
 
 
-def _horizontal_lines(ax) -> list[float]:
-    return [line.get_ydata()[0] for line in ax.lines if len(set(line.get_ydata())) == 1]
-
-
 def test_fit_plot_scales_to_the_bars_and_names_the_device_lines():
     """The y-axis holds the tallest bar and fills at least 1/DEVICE_LINE_RANGE of it; the usable line (and the
     capacity's) is drawn when within that range, named in the legend (outside the axes, clear of the bars), and
@@ -486,7 +483,7 @@ def test_fit_plot_scales_to_the_bars_and_names_the_device_lines():
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         usable_entry = [t for t in legend if t.startswith("usable on T4")]
         assert len(usable_entry) == 1, legend
-        lines = _horizontal_lines(ax)
+        lines = horizontal_lines(ax)
         if in_range:
             assert any(y == pytest.approx(usable / scale) for y in lines) and usable / scale <= top
             assert "off the scale" not in usable_entry[0]
@@ -533,3 +530,57 @@ def test_a_fit_request_is_checked_once_for_both_questions():
             cheapest_fix(cfg, 8, **bad)
     with pytest.raises(TypeError, match="gpu"):  # a misspelt option is not silently ignored
         will_it_fit(cfg, 8, gpu="t4")
+
+
+# ---- the plotted data against what each figure claims (tests/figure_data.py reads a figure back) ----
+
+
+def test_predicted_vs_measured_puts_each_configuration_at_its_peaks_and_states_each_miss():
+    from anatomy_helpers.lessons.lesson06_prediction import MethodComparison, plot_predicted_vs_measured
+
+    from .figure_data import numbers_in
+
+    def comparison(label, measured, dry, closed):  # two phases each: the step peak is the larger
+        phases = ((1, "forward"), (2, "backward"))
+        return MethodComparison(
+            label, dict(zip(phases, measured)), dict(zip(phases, dry)), dict(zip(phases, closed)), dry_run_s=0.1
+        )
+
+    MiB = 2**20
+    rows = [
+        comparison("a", (3 * MiB, 5 * MiB), (3 * MiB, 5 * MiB), (3 * MiB, 5 * MiB + 4096)),
+        comparison("b", (8 * MiB, 2 * MiB), (8 * MiB - 512, MiB), (7 * MiB, 2 * MiB)),
+    ]
+    ax, misses = plot_predicted_vs_measured(rows).axes
+    dry, closed = ax.collections  # the dry run's circles, then the closed form's dots: (measured, predicted) MiB
+    assert dry.get_offsets().tolist() == [[5, 5], [8, 8 - 512 / MiB]]
+    assert closed.get_offsets().tolist() == [[5, 5 + 4096 / MiB], [8, 7]]
+    dry_miss, closed_miss = misses.collections  # predicted - measured step peak, bytes, a row per configuration
+    assert dry_miss.get_offsets()[:, 0].tolist() == [0, -512] and closed_miss.get_offsets()[:, 0].tolist() == [
+        4096,
+        -MiB,
+    ]
+    stated = [numbers_in(t.get_text()) for t in misses.texts]
+    assert stated == [[0], [-512], [4096], [-MiB]]
+
+
+def test_the_fit_panel_draws_the_dry_run_of_its_settings():
+    """fit_panel (notebook 06's panel): its bars are the report will_it_fit gives for the same settings."""
+    import contextlib
+    import io
+
+    from anatomy_helpers.lessons.lesson06_prediction import SHAPES
+    from anatomy_helpers.prediction.devices import DEFAULT_GPU
+
+    from .figure_data import bars, unit_bytes
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        fig = fit_panel(batch_size=2, seq_len=64, optimizer="sgd", checkpoint="full")
+    cfg = ModelConfig(**SHAPES["toy (4 x 256)"], seq_len=64, checkpoint="full", attn_impl="manual")
+    report = will_it_fit(cfg, 2, device=DEFAULT_GPU, optimizer="sgd", implementation="foreach")
+    ax = fig.axes[0]
+    scale = unit_bytes(ax.get_ylabel())
+    for i, phase in enumerate(report.phases):
+        stack = [b for b in bars(ax) if b[0] < i < b[0] + b[2]]
+        assert max(y + h for _, y, _, h, _ in stack) * scale == pytest.approx(max(phase.reserved, phase.tensors))
+        assert sum(h for _, _, _, h, c in stack if c != "#ffffff") * scale == pytest.approx(phase.tensors)

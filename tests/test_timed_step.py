@@ -144,3 +144,32 @@ def test_bad_timed_jobs_are_refused():
         TimedJob(straggler_s=-1)
     with pytest.raises(ValueError, match="sweep_bytes"):
         TimedJob(sweep_bytes=(6,))
+
+
+def test_the_timeline_plot_draws_each_ranks_median_step_and_its_buckets(ranks):
+    """Each rank's bar row is its median step of the kind (by step time, found here): forward, backward until its
+    last bucket was issued, the wait for the all-reduces, the rest; end to end they are the step. Under it, each
+    bucket's all-reduce from issued to done, after the forward (ms)."""
+    from anatomy_helpers.lessons.lesson11_scale import plot_timed_step
+
+    from .figure_data import bars
+
+    fig = plot_timed_step(ranks)
+    for ax, kind in zip(fig.axes[:2], ("synced", "straggler"), strict=True):
+        for r in ranks:
+            steps = r.of(kind)
+            middle = float(np.median([s.step for s in steps]))
+            [s] = [s for s in steps if s.step == middle]
+            y = 2 * (len(ranks) - 1 - r.rank)
+            row = sorted((x, w) for x, yb, w, h, _ in bars(ax) if abs(yb + h / 2 - (y + 0.6)) < 1e-9)
+            widths = [w / 1e3 for _, w in row]
+            assert widths == pytest.approx([s.forward, s.backward_compute, s.wait, s.step - s.forward - s.backward])
+            assert sum(widths) == pytest.approx(s.step) and s.backward_compute + s.wait == pytest.approx(s.backward)
+            assert [x for x, _ in row] == pytest.approx(np.cumsum([0, *[w for _, w in row]])[:-1].tolist())
+            spans = sorted(
+                tuple(ln.get_xdata())
+                for ln in ax.get_lines()
+                if len(ln.get_xdata()) == 2 and list(ln.get_ydata()) == [y, y]
+            )
+            want = sorted(((s.forward + i) * 1e3, (s.forward + d) * 1e3) for _, i, d in s.buckets)
+            np.testing.assert_allclose(np.array(spans), np.array(want))
