@@ -1,25 +1,27 @@
 """A dry run whose cost does not grow with depth: the course GPT's step at ``n_layer`` L from three shallow ones.
 
 A model's blocks repeat, so its training step's allocation sequence repeats block by block. :func:`periodic_dry_run`
-dry-runs the same configuration at depths 2, 3 and 4 (:func:`~anatomy_helpers.prediction.dryrun.dry_run_config`,
-ops checked as there), and reads every recorded sequence of the three traces as *rows*: the module names, the
-events (baseline storages and timeline samples: step, phase, module, allocation id, bytes, category, the
-allocation's module), the phase marks, the saved tensors and the gradients' parameter names.
+dry-runs the same configuration at depths 3, 4 and 5 (:func:`~anatomy_helpers.prediction.dryrun.dry_run_config`,
+its ops checked as there; at 3 the first and the last block each have a block in between as neighbour), and reads
+every recorded sequence of the three traces as *rows*: the module names, the events (baseline storages and
+timeline samples: step, phase, module, allocation id, bytes, category, the allocation's module, and for a free
+made a few rows after its allocation, how many), the phase marks, the saved tensors and the gradients' parameters.
 
 What it assumes, and checks. Each row's block index is written as its role (first block, last block, a block in
-between), so the rows of the blocks in between look alike. The rows at depth 3 must be those at depth 2 with
-chunks inserted at some places (the blocks in between), and the rows at depth 4 those at depth 2 with each chunk
-inserted twice at the same places; every number of a row (module index, allocation id, block index, sample index)
-must grow by the same step from depth 2 to 3 as from 3 to 4. Then the rows at depth L are those at depth 2 with
-L - 2 copies of each chunk, each number moved on by its own steps (per depth, per copy), and the Trace is rebuilt
-from them through :meth:`Trace.from_events`, as a recorder builds it: its timeline, every phase, peak and category
-are computed on the whole extrapolated sequence, never by scaling a peak. Only the wall times are not measured:
-samples are spaced evenly over the time this function took.
+between), so the rows of the blocks in between look alike. The rows at depth 4 must be those at depth 3 with
+chunks inserted at some places, and the rows at depth 5 those at depth 3 with each chunk inserted twice at the
+same places; every number of a row that is not inserted (module index, allocation id, block index, sample index)
+must grow by the same step from depth 3 to 4 as from 4 to 5. Then the rows at depth L are those at depth 3 with
+L - 3 copies of each chunk, each number moved on by its own steps (per depth, and per copy as from the first
+inserted copy to the second), and the Trace is rebuilt from them through :meth:`Trace.from_events`, as a recorder
+builds it: its timeline, every phase, peak and category are computed on the whole extrapolated sequence, never by
+scaling a peak. Only the wall times are not measured: samples are spread evenly over the time this function took.
 
-Where it falls back to the full dry run (and says why, in the returned reason): depth 4 or less (nothing to save),
+Where it falls back to the full dry run (and says why, in the returned reason): depth 5 or less (nothing to save),
 ``checkpoint="every_k"`` with ``checkpoint_every`` > 1 (segments group blocks, so the step repeats every k blocks,
 not every block), and any configuration whose rows break the assumptions above (blocks that differ, a first step
-that differs in a way the per-block period does not capture).
+that differs in a way the per-block period does not capture). tests/test_periodic.py checks it byte for byte
+against full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention).
 """
 
 from __future__ import annotations
@@ -257,7 +259,7 @@ def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float
 
 
 def periodic_dry_run(cfg: ModelConfig, **run) -> tuple[Trace, str | None]:
-    """``dry_run_config(cfg, **run)``'s Trace, built from dry runs at depths 2, 3 and 4; and None, or why it ran
+    """``dry_run_config(cfg, **run)``'s Trace, built from dry runs at depths 3, 4 and 5; and None, or why it ran
     the full dry run instead (see the module's docstring). ``run``: dry_run_config's other keywords.
 
     The timeline (samples' steps, phases, modules, bytes per category), the allocations, phase marks, saved

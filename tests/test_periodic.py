@@ -1,0 +1,98 @@
+"""periodic_dry_run: the course GPT's dry run at a depth not recorded, built from three shallow ones, equals the
+full-depth dry run byte for byte; where the step does not repeat block by block it runs the full one and says why."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from anatomy_helpers.core.model import ModelConfig
+from anatomy_helpers.prediction import periodic
+from anatomy_helpers.prediction.dryrun import dry_run_config
+from anatomy_helpers.prediction.periodic import periodic_dry_run
+
+# small widths: every dry run here takes a fraction of a second
+TINY = dict(d_model=16, n_head=2, seq_len=8, vocab_size=64)
+
+
+def assert_same(fast, full):
+    """Every sequence of the two traces equal (all but the wall times, which the periodic one does not measure)."""
+    a, b = fast.timeline, full.timeline
+    assert a.module_names == b.module_names
+    for field in ("step", "phase", "module", "bytes"):  # bytes: the whole timeline, per category
+        assert np.array_equal(getattr(a, field), getattr(b, field)), field
+    for field in ("alloc_ids", "alloc_deltas", "alloc_category", "alloc_module", "baseline_ids", "baseline_bytes"):
+        assert np.array_equal(getattr(fast, field), getattr(full, field)), field
+    assert fast.baseline == full.baseline
+    # every phase: its span, its peak (bytes, moment, module) and that peak's breakdown, and what it ends with
+    assert fast.phases() == full.phases()
+    assert [fast.peak(step=s) for s in full.steps] == [full.peak(step=s) for s in full.steps]
+    assert fast.peak() == full.peak()
+    assert [(m.index, m.step, m.phase) for m in fast.phase_marks] == [
+        (m.index, m.step, m.phase) for m in full.phase_marks
+    ]
+    assert fast.saved == full.saved
+    assert fast.grad_param == full.grad_param
+    assert fast.table() == full.table()
+
+
+CASES = [
+    (dict(block=block, checkpoint=policy), {})
+    for block in ("gpt2", "llama")
+    for policy in ("none", "full", "selective", "attention", "every_k")
+] + [
+    (dict(dtype="bfloat16"), {}),
+    (dict(block="llama", attn_impl="sdpa"), {"autocast": "bfloat16"}),
+    (dict(attn_impl="sdpa", checkpoint="full"), {"autocast": "bfloat16", "batch_size": 2}),
+    (dict(block="llama", n_kv_head=1, dtype="bfloat16"), {"optimizer": "sgd"}),
+]
+
+
+@pytest.mark.parametrize("fields, run", CASES, ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) or "-")
+def test_periodic_equals_full_dry_run(fields, run):
+    run = {"batch_size": 1, **run}
+    cfg = ModelConfig(n_layer=6, **TINY, **fields)
+    fast, why = periodic_dry_run(cfg, **run)
+    assert why is None  # the period was used, not the full dry run
+    assert_same(fast, dry_run_config(cfg, **run))
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+def test_periodic_at_twelve_layers(block):
+    cfg = ModelConfig(n_layer=12, block=block, checkpoint="selective", **TINY)
+    fast, why = periodic_dry_run(cfg, batch_size=2, autocast="bfloat16")
+    assert why is None
+    assert_same(fast, dry_run_config(cfg, batch_size=2, autocast="bfloat16"))
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        (dict(n_layer=6, checkpoint="every_k", checkpoint_every=2), "checkpoint_every 2 > 1 groups blocks"),
+        (dict(n_layer=5), "n_layer 5 is at most 5"),
+    ],
+)
+def test_falls_back_and_says_why(fields, reason):
+    cfg = ModelConfig(**TINY, **fields)
+    trace, why = periodic_dry_run(cfg, batch_size=1)
+    assert why is not None and why.startswith("full dry run: ") and reason in why
+    assert_same(trace, dry_run_config(cfg, batch_size=1))
+
+
+def test_rows_that_do_not_repeat_are_refused():
+    """Rows whose numbers do not grow by one step per block (or that change, not just grow) are not extrapolated."""
+    toks = [["a", "b"], ["a", "m", "b"], ["a", "m", "m", "b"]]
+    grows = [np.array([[0], [1]]), np.array([[0], [1], [2]]), np.array([[0], [1], [2], [4]])]
+    with pytest.raises(periodic._NotPeriodic, match="same step"):
+        periodic._extrapolate(toks, grows, 3, "rows")
+    changed = [["a", "b"], ["a", "m", "b"], ["a", "m", "n", "b"]]
+    with pytest.raises(periodic._NotPeriodic):
+        periodic._extrapolate(changed, [np.zeros((len(t), 1), dtype=np.int64) for t in changed], 3, "rows")
+    steady = [np.array([[0], [1]]), np.array([[0], [1], [2]]), np.array([[0], [1], [2], [3]])]
+    toks_ok, nums_ok = periodic._extrapolate(toks, steady, 3, "rows")  # depth 3 + 3: three blocks in between
+    assert toks_ok == ["a", "m", "m", "m", "b"] and nums_ok[:, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="cfg must be a ModelConfig"):
+        periodic_dry_run(dataclasses.asdict(ModelConfig(**TINY)))
