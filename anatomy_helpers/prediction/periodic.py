@@ -258,6 +258,29 @@ def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float
     )
 
 
+def _differences(fast: Trace, full: Trace) -> list[str]:
+    """What differs between two traces, wall times aside (empty: the same); for the tests and the benchmark."""
+    a, b = fast.timeline, full.timeline
+    checks = {
+        "module names": a.module_names == b.module_names,
+        **{f"timeline.{f}": np.array_equal(getattr(a, f), getattr(b, f)) for f in ("step", "phase", "module", "bytes")},
+        **{
+            f: np.array_equal(getattr(fast, f), getattr(full, f))
+            for f in ("alloc_ids", "alloc_deltas", "alloc_category", "alloc_module", "baseline_ids", "baseline_bytes")
+        },
+        "baseline": fast.baseline == full.baseline,
+        "phases": fast.phases() == full.phases(),  # each phase's span, peak (bytes, moment, module, breakdown), end
+        "step peaks": [fast.peak(step=s) for s in full.steps] == [full.peak(step=s) for s in full.steps],
+        "peak": fast.peak() == full.peak(),
+        "phase marks": [(m.index, m.step, m.phase) for m in fast.phase_marks]
+        == [(m.index, m.step, m.phase) for m in full.phase_marks],
+        "saved": fast.saved == full.saved,
+        "grad_param": fast.grad_param == full.grad_param,
+        "table": fast.table() == full.table(),
+    }
+    return [name for name, same in checks.items() if not same]
+
+
 def periodic_dry_run(cfg: ModelConfig, **run) -> tuple[Trace, str | None]:
     """``dry_run_config(cfg, **run)``'s Trace, built from dry runs at depths 3, 4 and 5; and None, or why it ran
     the full dry run instead (see the module's docstring). ``run``: dry_run_config's other keywords.
