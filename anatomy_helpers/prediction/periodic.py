@@ -20,7 +20,9 @@ scaling a peak. Only the wall times are not measured: samples are spread evenly 
 Where it falls back to the full dry run (and says why, in the returned reason): depth 5 or less (nothing to save),
 ``checkpoint="every_k"`` with ``checkpoint_every`` > 1 (segments group blocks, so the step repeats every k blocks,
 not every block), and any configuration whose rows break the assumptions above (blocks that differ, a first step
-that differs in a way the per-block period does not capture). tests/test_periodic.py checks it byte for byte
+that differs in a way the per-block period does not capture; ``in_backward=True`` is one: its per-parameter
+optimizer phases are refused by the phase marks' check). ``dry_run_config`` has no micro-batches, so neither has
+this. tests/test_periodic.py checks it byte for byte
 against full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention).
 """
 
