@@ -24,7 +24,7 @@ def assert_same(fast, full):
 # Both blocks x every policy; across them fp32 and bf16 weights, bf16 autocast, manual and sdpa attention,
 # grouped-query attention, batch 1 and 2, AdamW and SGD (one case each keeps the file's run short).
 CASES = [
-    (dict(checkpoint="none"), {}),
+    (dict(checkpoint="none"), {"in_backward": True}),
     (dict(checkpoint="full", attn_impl="sdpa"), {"autocast": "bfloat16", "batch_size": 2}),
     (dict(checkpoint="selective", dtype="bfloat16"), {}),
     (dict(checkpoint="attention"), {"autocast": "bfloat16"}),
@@ -54,22 +54,27 @@ def test_periodic_at_twelve_layers():
 
 
 @pytest.mark.parametrize(
-    "fields, run, reason",
+    "fields, reason",
     [
-        (dict(n_layer=6, checkpoint="every_k", checkpoint_every=2), {}, "checkpoint_every 2 > 1 groups blocks"),
-        (dict(n_layer=5), {}, "n_layer 5 is at most 5"),
-        # the optimizer runs inside backward, one phase per parameter: rows the period check does not accept
-        (dict(n_layer=6), {"in_backward": True}, "phase marks"),
+        (dict(n_layer=6, checkpoint="every_k", checkpoint_every=2), "checkpoint_every 2 > 1 groups blocks"),
+        (dict(n_layer=5), "n_layer 5 is at most 5"),
     ],
 )
-def test_falls_back_and_says_why(fields, run, reason):
+def test_refused_before_any_run(fields, reason):
     cfg = ModelConfig(**TINY, **fields)
-    trace, why = periodic_dry_run(cfg, batch_size=1, **run)
+    trace, why = periodic_dry_run(cfg, batch_size=1)
     assert why is not None and why.startswith("full dry run: ") and reason in why
-    if "in_backward" in run:  # the fallback after the three shallow runs: the full run's trace all the same
-        assert_same(trace, dry_run_config(cfg, batch_size=1, **run))
-    else:  # refused before any run: the full depth's trace
-        assert f"blocks.{cfg.n_layer - 1}" in trace.timeline.module_names
+    assert f"blocks.{cfg.n_layer - 1}" in trace.timeline.module_names  # the full depth's trace
+
+
+def test_falls_back_where_the_rows_do_not_repeat(monkeypatch):
+    """every_k with k = 2, let through to the period's checks: segments of two blocks do not repeat every block,
+    the checks say so, and the full dry run is returned."""
+    monkeypatch.setattr(periodic, "_refused_before", lambda cfg: None)
+    cfg = ModelConfig(n_layer=6, checkpoint="every_k", checkpoint_every=2, **TINY)
+    trace, why = periodic_dry_run(cfg, batch_size=1)
+    assert why is not None and why.startswith("full dry run: the ") and "block" in why
+    assert_same(trace, dry_run_config(cfg, batch_size=1))
 
 
 def test_rows_that_do_not_repeat_are_refused():

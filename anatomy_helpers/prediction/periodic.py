@@ -10,20 +10,23 @@ made a few rows after its allocation, how many), the phase marks, the saved tens
 What it assumes, and checks. Each row's block index is written as its role (first block, last block, a block in
 between), so the rows of the blocks in between look alike. The rows at depth 4 must be those at depth 3 with
 chunks inserted at some places, and the rows at depth 5 those at depth 3 with each chunk inserted twice at the
-same places; every number of a row that is not inserted (module index, allocation id, block index, sample index)
-must grow by the same step from depth 3 to 4 as from 4 to 5. Then the rows at depth L are those at depth 3 with
-L - 3 copies of each chunk, each number moved on by its own steps (per depth, and per copy as from the first
-inserted copy to the second), and the Trace is rebuilt from them through :meth:`Trace.from_events`, as a recorder
+same places (where the alignments cut the same repeating rows at two nearby places, the span between them is
+searched for one place that fits both depths); every number of a row that is not inserted (module index,
+allocation id, block index, sample index) must grow by the same step from depth 3 to 4 as from 4 to 5. Then the
+rows at depth L are those at depth 3 with L - 3 copies of each chunk, each number moved on by its own steps (per
+depth, and per copy as from the first copy inserted at depth 5 to the second: read there, not checked against a
+sixth depth; the tests check the whole at depths 6 and 12), and the Trace is rebuilt from them through
+:meth:`Trace.from_events`, as a recorder
 builds it: its timeline, every phase, peak and category are computed on the whole extrapolated sequence, never by
 scaling a peak. Only the wall times are not measured: samples are spread evenly over the time this function took.
 
 Where it falls back to the full dry run (and says why, in the returned reason): depth 5 or less (nothing to save),
 ``checkpoint="every_k"`` with ``checkpoint_every`` > 1 (segments group blocks, so the step repeats every k blocks,
 not every block), and any configuration whose rows break the assumptions above (blocks that differ, a first step
-that differs in a way the per-block period does not capture; ``in_backward=True`` is one: its per-parameter
-optimizer phases are refused by the phase marks' check). ``dry_run_config`` has no micro-batches, so neither has
-this. tests/test_periodic.py checks it byte for byte
-against full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention).
+that differs in a way the per-block period does not capture: every_k with k > 1, tried, is refused by these
+checks too). ``dry_run_config`` has no micro-batches, so neither has this. tests/test_periodic.py checks it byte
+for byte against full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention,
+the optimizer in backward).
 """
 
 from __future__ import annotations
@@ -195,7 +198,15 @@ def _rows(tr: Trace, depth: int) -> dict[str, tuple[list, np.ndarray]]:
         ],
         list(zip(module.tolist(), ids.tolist(), amod.tolist())),
     )  # fmt: skip
-    seqs["phase marks"] = ([(m.step, m.phase) for m in tr.phase_marks], [(m.index,) for m in tr.phase_marks])
+    ev = seqs["events"][0]
+
+    def near(i: int):  # the event row at ``i`` (a mark's neighbours tell apart marks that look alike otherwise)
+        return ev[i] if 0 <= i < len(ev) else None
+
+    seqs["phase marks"] = (
+        [(m.step, m.phase, near(n0 + m.index - 1), near(n0 + m.index)) for m in tr.phase_marks],
+        [(m.index,) for m in tr.phase_marks],
+    )
     saved = [(s, _role_name(s.module, depth)) for s in tr.saved]
     seqs["saved tensors"] = (
         [(s.step, r, s.shape, str(s.dtype), s.bytes, s.storage_bytes, s.category) for s, (r, _) in saved],
@@ -235,7 +246,7 @@ def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float
     marks = [
         PhaseMark(index=int(i) + n_baseline, time_s=float(time_ns[min(int(i) + n_baseline, n - 1)]) / 1e9,
                   step=s, phase=ph)
-        for (s, ph), (i,) in zip(*rows["phase marks"])
+        for (s, ph, *_), (i,) in zip(*rows["phase marks"])
     ]  # fmt: skip
     dtypes = {str(s.dtype): s.dtype for s in like.saved}
     saved = [
@@ -283,6 +294,15 @@ def _differences(fast: Trace, full: Trace) -> list[str]:
     return [name for name, same in checks.items() if not same]
 
 
+def _refused_before(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` is dry-run in full without trying the period (None: try it)."""
+    if cfg.n_layer <= DEPTHS[-1]:
+        return f"n_layer {cfg.n_layer} is at most {DEPTHS[-1]}, the deepest run the period is read from"
+    if cfg.checkpoint == "every_k" and cfg.checkpoint_every > 1:
+        return f"checkpoint every_k with checkpoint_every {cfg.checkpoint_every} > 1 groups blocks into segments"
+    return None
+
+
 def periodic_dry_run(cfg: ModelConfig, **run) -> tuple[Trace, str | None]:
     """``dry_run_config(cfg, **run)``'s Trace, built from dry runs at depths 3, 4 and 5; and None, or why it ran
     the full dry run instead (see the module's docstring). ``run``: dry_run_config's other keywords.
@@ -293,11 +313,7 @@ def periodic_dry_run(cfg: ModelConfig, **run) -> tuple[Trace, str | None]:
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     started = time.perf_counter()
-    why = None
-    if cfg.n_layer <= DEPTHS[-1]:
-        why = f"n_layer {cfg.n_layer} is at most {DEPTHS[-1]}, the deepest run the period is read from"
-    elif cfg.checkpoint == "every_k" and cfg.checkpoint_every > 1:
-        why = f"checkpoint every_k with checkpoint_every {cfg.checkpoint_every} > 1 groups blocks into segments"
+    why = _refused_before(cfg)
     if why is None:
         traces = [dry_run_config(dataclasses.replace(cfg, n_layer=d), **run) for d in DEPTHS]
         rows = [_rows(tr, d) for tr, d in zip(traces, DEPTHS)]
