@@ -1,0 +1,328 @@
+"""A dry run whose cost does not grow with depth: the course GPT's step at ``n_layer`` L from three shallow ones.
+
+A model's blocks repeat, so its training step's allocation sequence repeats block by block. :func:`periodic_dry_run`
+dry-runs the same configuration at depths 3, 4 and 5 (:func:`~anatomy_helpers.prediction.dryrun.dry_run_config`,
+its ops checked as there; at 3 the first and the last block each have a block in between as neighbour), and reads
+every recorded sequence of the three traces as *rows*: the module names, the events (baseline storages and
+timeline samples: step, phase, module, allocation id, bytes, category, the allocation's module, and for a free
+made a few rows after its allocation, how many), the phase marks, the saved tensors and the gradients' parameters.
+
+What it assumes, and checks. Each row's block index is written as its role (first block, last block, a block in
+between), so the rows of the blocks in between look alike. The rows at depth 4 must be those at depth 3 with
+chunks inserted at some places, and the rows at depth 5 those at depth 3 with each chunk inserted twice at the
+same places (where the alignments cut the same repeating rows at two nearby places, the span between them is
+searched for one place that fits both depths); every number of a row that is not inserted (module index,
+allocation id, block index, sample index) must grow by the same step from depth 3 to 4 as from 4 to 5. Then the
+rows at depth L are those at depth 3 with L - 3 copies of each chunk, each number moved on by its own steps (per
+depth, and per copy as from the first copy inserted at depth 5 to the second: read there, not checked against a
+sixth depth; the tests check the whole at depths 6 and 12), and the Trace is rebuilt from them through
+:meth:`Trace.from_events`, as a recorder
+builds it: its timeline, every phase, peak and category are computed on the whole extrapolated sequence, never by
+scaling a peak. Only the wall times are not measured: samples are spread evenly over the time this function took.
+
+Where it falls back to the full dry run (and says why, in the returned reason): depth 5 or less (nothing to save),
+``checkpoint="every_k"`` with ``checkpoint_every`` > 1 (segments group blocks, so the step repeats every k blocks,
+not every block), and any configuration whose rows break the assumptions above (blocks that differ, a first step
+that differs in a way the per-block period does not capture: every_k with k > 1, tried, is refused by these
+checks too). ``dry_run_config`` has no micro-batches, so neither has this. tests/test_periodic.py checks it byte
+for byte against full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention,
+the optimizer in backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import time
+
+import numpy as np
+
+from ..core.model import ModelConfig
+from ..tracking.events import Event, PhaseMark, SavedTensor
+from ..tracking.trace import Trace
+from .dryrun import dry_run_config
+
+#: The depths recorded; the first is the one the others' rows are aligned to.
+DEPTHS = (3, 4, 5)
+
+#: Rows apart within which a free names how far back its storage was allocated (see _rows).
+_NEAR = 8
+
+_BLOCK = re.compile(r"(^|\.)blocks\.(\d+)(?=\.|$)")
+_ROLE = re.compile(r"(^|\.)blocks\.([FML])(?=\.|$)")
+
+
+class _NotPeriodic(Exception):
+    """The recorded rows do not repeat block by block (the message says where)."""
+
+
+def _role_name(name: str, depth: int) -> tuple[str, int]:
+    """``name`` with its block index written as a role (F first, L last, M in between), and that index (-1: none)."""
+    match = _BLOCK.search(name)
+    if match is None:
+        return name, -1
+    b = int(match.group(2))
+    role = "F" if b == 0 else "L" if b == depth - 1 else "M"
+    return name[: match.start(2)] + role + name[match.end(2) :], b
+
+
+def _named(role_name: str, block: int) -> str:
+    """The name back from its role form and block index."""
+    if block < 0:
+        return role_name
+    match = _ROLE.search(role_name)
+    return role_name[: match.start(2)] + str(block) + role_name[match.end(2) :]
+
+
+def _aligned(a: list, b: list, what: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Align ``b`` to ``a`` (``b`` must be ``a`` with rows inserted): the index in ``b`` of each row of ``a``, and
+    the places rows were inserted, as (position in ``a``, how many)."""
+    where = np.zeros(len(a), dtype=np.int64)
+    runs = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            where[i1:i2] = np.arange(j1, j2)
+        elif tag == "insert":
+            runs.append((i1, j2 - j1))
+        else:
+            raise _NotPeriodic(f"the {what} of a deeper run are not the shallower run's with blocks inserted ({tag})")
+    return where, runs
+
+
+def _regions(runs1: list[tuple[int, int]], runs2: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Spans [i1, i2) of rows of the shallowest run that the deeper runs insert one block's rows into, from the
+    places ``runs1`` and ``runs2`` (position, rows) where they inserted rows. A place both use is a span of no rows;
+    a place only one uses is spanned with the nearest place only the other uses (the same repeating rows can be
+    cut into chunks at different places at two depths)."""
+    p1, p2 = {p for p, _ in runs1}, {p for p, _ in runs2}
+    only1, only2 = sorted(p1 - p2), sorted(p2 - p1)
+    if bool(only1) != bool(only2):
+        raise _NotPeriodic("rows are inserted at a place at one depth and at no place near it at the other")
+    spans = [[p, p] for p in p1 & p2]
+    for p in only1:
+        q = min(only2, key=lambda q: abs(q - p))
+        spans.append([min(p, q), max(p, q)])
+    for q in only2:
+        p = min(only1, key=lambda p: abs(q - p))
+        spans.append([min(p, q), max(p, q)])
+    spans.sort()
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo < merged[-1][1] or (merged and lo == merged[-1][1] and lo > merged[-1][0]):
+            merged[-1][1] = max(merged[-1][1], hi)
+        elif not merged or [lo, hi] != merged[-1]:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) -> tuple[list, np.ndarray]:
+    """The rows (tokens, numbers) at depth DEPTHS[0] + ``m`` from those at DEPTHS (see the module's docstring)."""
+    t0, t1, t2 = toks
+    n0, n1, n2 = nums
+    w1, runs1 = _aligned(t0, t1, what)
+    w2, runs2 = _aligned(t0, t2, what)
+    out_t: list = []
+    out_n: list[np.ndarray] = []
+
+    def fixed(i1: int, i2: int) -> None:  # rows of the shallowest run that no block is inserted into
+        d1, d2 = n1[w1[i1:i2]] - n0[i1:i2], n2[w2[i1:i2]] - n1[w1[i1:i2]]
+        if not np.array_equal(d1, d2):
+            raise _NotPeriodic(f"the {what}' numbers do not grow by the same step per block")
+        out_t.extend(t0[i1:i2])
+        out_n.append(n0[i1:i2] + m * d1)
+
+    def bounds(w: np.ndarray, length: int, i1: int, i2: int) -> tuple[int, int]:
+        return (int(w[i1 - 1]) + 1 if i1 else 0), (int(w[i2]) if i2 < len(w) else length)
+
+    done = 0
+    for i1, i2 in _regions(runs1, runs2):
+        fixed(done, i1)
+        done = i2
+        r0, q0 = t0[i1:i2], n0[i1:i2]
+        s1, e1 = bounds(w1, len(t1), i1, i2)
+        s2, e2 = bounds(w2, len(t2), i1, i2)
+        r1, q1, r2, q2 = t1[s1:e1], n1[s1:e1], t2[s2:e2], n2[s2:e2]
+        k = len(r1) - len(r0)
+        if k <= 0 or len(r2) - len(r0) != 2 * k:
+            raise _NotPeriodic(f"the {what} do not gain the same rows per block from depth to depth")
+        for x in range(len(r0) + 1):  # where, in the shallowest run's rows, the block's rows go
+            chunk = r1[x : x + k]
+            if r1 != r0[:x] + chunk + r0[x:] or r2 != r0[:x] + chunk * 2 + r0[x:]:
+                continue
+            head = (q0[:x], q1[:x], q2[:x])
+            tail = (q0[x:], q1[x + k :], q2[x + 2 * k :])
+            if not all(np.array_equal(b - a, c - b) for a, b, c in (head, tail)):
+                continue
+            c, p, q = q1[x : x + k], q2[x : x + k], q2[x + k : x + 2 * k]
+            out_t.extend(r0[:x])
+            out_n.append(head[0] + m * (head[1] - head[0]))
+            for j in range(m):  # copy j of the block's rows: moved on per depth and per copy
+                out_t.extend(chunk)
+                out_n.append(c + (m - 1) * (p - c) + j * (q - p))
+            out_t.extend(r0[x:])
+            out_n.append(tail[0] + m * (tail[1] - tail[0]))
+            break
+        else:
+            raise _NotPeriodic(f"the {what} inserted per block do not repeat with the same numbers' steps")
+    fixed(done, len(t0))
+    return out_t, np.concatenate(out_n) if out_n else n0[:0]
+
+
+def _rows(tr: Trace, depth: int) -> dict[str, tuple[list, np.ndarray]]:
+    """Every sequence of ``tr`` as (tokens, numbers) rows."""
+    names = tr.timeline.module_names
+    roles = [_role_name(n, depth) for n in names]
+    seqs: dict[str, tuple[list, list]] = {}
+    seqs["module names"] = ([r for r, _ in roles], [(b,) for _, b in roles])
+    ids = np.r_[tr.baseline_ids, tr.alloc_ids].astype(np.int64)
+    deltas = np.r_[tr.baseline_bytes, tr.alloc_deltas].astype(np.int64)
+    n0 = len(tr.baseline_ids)
+    tl = tr.timeline
+    step = np.r_[np.zeros(n0, dtype=np.int64), tl.step]
+    phase = np.r_[np.zeros(n0, dtype=np.int64), tl.phase]
+    module = np.r_[np.zeros(n0, dtype=np.int64), tl.module]
+    first = np.zeros(len(ids), dtype=bool)
+    _, born = np.unique(ids, return_index=True)
+    first[born] = True
+    # how many rows back the storage a row frees was allocated, when that is a few (a storage that lives long can
+    # outlive blocks, so its distance grows with depth): it tells apart rows that look alike otherwise
+    back = np.arange(len(ids)) - born[np.searchsorted(np.unique(ids), ids)]
+    back = np.where(back <= _NEAR, back, -1)
+    cat, amod = tr.alloc_category[ids], tr.alloc_module[ids]
+    seqs["events"] = (
+        [
+            (i < n0, int(step[i]), int(phase[i]), roles[module[i]][0], int(deltas[i]), int(cat[i]),
+             roles[amod[i]][0], bool(first[i]), int(back[i]))
+            for i in range(len(ids))
+        ],
+        list(zip(module.tolist(), ids.tolist(), amod.tolist())),
+    )  # fmt: skip
+    ev = seqs["events"][0]
+
+    def near(i: int):  # the event row at ``i`` (a mark's neighbours tell apart marks that look alike otherwise)
+        return ev[i] if 0 <= i < len(ev) else None
+
+    seqs["phase marks"] = (
+        [(m.step, m.phase, near(n0 + m.index - 1), near(n0 + m.index)) for m in tr.phase_marks],
+        [(m.index,) for m in tr.phase_marks],
+    )
+    saved = [(s, _role_name(s.module, depth)) for s in tr.saved]
+    seqs["saved tensors"] = (
+        [(s.step, r, s.shape, str(s.dtype), s.bytes, s.storage_bytes, s.category) for s, (r, _) in saved],
+        [(b, s.storage) for s, (_, b) in saved],
+    )
+    grads = [(a, _role_name(p, depth)) for a, p in tr.grad_param.items()]
+    seqs["gradients"] = ([r for _, (r, _) in grads], [(b, a) for a, (_, b) in grads])
+    return {k: (t, np.array(n, dtype=np.int64).reshape(len(t), -1)) for k, (t, n) in seqs.items()}
+
+
+def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float) -> Trace:
+    """The Trace a recorder would build from these rows (``like``: a recorded trace, for its device and dtypes)."""
+    names = [_named(r, int(b)) for r, (b,) in zip(*rows["module names"])]
+    toks, nums = rows["events"]
+    is_base = np.array([t[0] for t in toks], dtype=bool)
+    n_baseline = int(is_base.sum())
+    if is_base[n_baseline:].any():
+        raise _NotPeriodic("the baseline storages are not all before the step's samples")
+    ids = nums[:, 1]
+    order, where = np.unique(ids, return_index=True)
+    if not np.array_equal(order, np.arange(len(order))) or not np.all(np.diff(where) > 0):
+        raise _NotPeriodic("the allocation ids are not numbered in the order the storages first appear")
+    alloc_category = np.array([toks[i][5] for i in where], dtype=np.int64)
+    alloc_module = nums[where, 2]
+    n = len(toks)
+    total_ns = int((time.perf_counter() - started) * 1e9)
+    time_ns = np.arange(n, dtype=np.int64) * total_ns // max(n, 1)
+    cols = {
+        "time_ns": time_ns,
+        "alloc_id": ids,
+        "delta": np.array([t[4] for t in toks], dtype=np.int64),
+        "step": np.array([t[1] for t in toks], dtype=np.int64),
+        "phase": np.array([t[2] for t in toks], dtype=np.int64),
+        "module": nums[:, 0],
+    }
+    events = np.stack([cols[f] for f in Event._fields], axis=1)
+    marks = [
+        PhaseMark(index=int(i) + n_baseline, time_s=float(time_ns[min(int(i) + n_baseline, n - 1)]) / 1e9,
+                  step=s, phase=ph)
+        for (s, ph, *_), (i,) in zip(*rows["phase marks"])
+    ]  # fmt: skip
+    dtypes = {str(s.dtype): s.dtype for s in like.saved}
+    saved = [
+        SavedTensor(step=st, module=_named(r, int(b)), shape=shape, dtype=dtypes[dt], bytes=nb,
+                    storage=int(a), storage_bytes=sb, category=c)
+        for (st, r, shape, dt, nb, sb, c), (b, a) in zip(*rows["saved tensors"])
+    ]  # fmt: skip
+    grad_param = {int(a): _named(r, int(b)) for r, (b, a) in zip(*rows["gradients"])}
+    return Trace.from_events(
+        events=events,
+        n_baseline=n_baseline,
+        start_ns=0,
+        alloc_category=alloc_category,
+        alloc_module=alloc_module,
+        module_names=names,
+        phase_marks=marks,
+        saved=saved,
+        grad_param=grad_param,
+        device=like.device,
+        duration_s=total_ns / 1e9,
+        kernel_scratch_recorded=like.kernel_scratch_recorded,
+    )
+
+
+def _differences(fast: Trace, full: Trace) -> list[str]:
+    """What differs between two traces, wall times aside (empty: the same); for the tests and the benchmark."""
+    a, b = fast.timeline, full.timeline
+    checks = {
+        "module names": a.module_names == b.module_names,
+        **{f"timeline.{f}": np.array_equal(getattr(a, f), getattr(b, f)) for f in ("step", "phase", "module", "bytes")},
+        **{
+            f: np.array_equal(getattr(fast, f), getattr(full, f))
+            for f in ("alloc_ids", "alloc_deltas", "alloc_category", "alloc_module", "baseline_ids", "baseline_bytes")
+        },
+        "baseline": fast.baseline == full.baseline,
+        "phases": fast.phases() == full.phases(),  # each phase's span, peak (bytes, moment, module, breakdown), end
+        "step peaks": [fast.peak(step=s) for s in full.steps] == [full.peak(step=s) for s in full.steps],
+        "peak": fast.peak() == full.peak(),
+        "phase marks": [(m.index, m.step, m.phase) for m in fast.phase_marks]
+        == [(m.index, m.step, m.phase) for m in full.phase_marks],
+        "saved": fast.saved == full.saved,
+        "grad_param": fast.grad_param == full.grad_param,
+        "table": fast.table() == full.table(),
+    }
+    return [name for name, same in checks.items() if not same]
+
+
+def _refused_before(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` is dry-run in full without trying the period (None: try it)."""
+    if cfg.n_layer <= DEPTHS[-1]:
+        return f"n_layer {cfg.n_layer} is at most {DEPTHS[-1]}, the deepest run the period is read from"
+    if cfg.checkpoint == "every_k" and cfg.checkpoint_every > 1:
+        return f"checkpoint every_k with checkpoint_every {cfg.checkpoint_every} > 1 groups blocks into segments"
+    return None
+
+
+def periodic_dry_run(cfg: ModelConfig, **run) -> tuple[Trace, str | None]:
+    """``dry_run_config(cfg, **run)``'s Trace, built from dry runs at depths 3, 4 and 5; and None, or why it ran
+    the full dry run instead (see the module's docstring). ``run``: dry_run_config's other keywords.
+
+    The timeline (samples' steps, phases, modules, bytes per category), the allocations, phase marks, saved
+    tensors and gradients equal the full dry run's; the wall times do not (they are spread evenly).
+    """
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    started = time.perf_counter()
+    why = _refused_before(cfg)
+    if why is None:
+        traces = [dry_run_config(dataclasses.replace(cfg, n_layer=d), **run) for d in DEPTHS]
+        rows = [_rows(tr, d) for tr, d in zip(traces, DEPTHS)]
+        try:
+            out = {
+                k: _extrapolate([r[k][0] for r in rows], [r[k][1] for r in rows], cfg.n_layer - DEPTHS[0], k)
+                for k in rows[0]
+            }
+            return _build(out, traces[0], started), None
+        except _NotPeriodic as e:
+            why = str(e)
+    return dry_run_config(cfg, **run), f"full dry run: {why}"
