@@ -123,11 +123,11 @@ def dry_run_rank(job: RankJob, world_size: int, rank: int = 0) -> FakeRun:
     """Dry-run rank ``rank`` of a ``world_size``-rank job: the RankResult a real rank of that world would send.
 
     ``job.batch_size`` is the global batch (all ranks). Exact or refused, as every dry run of the course
-    (prediction/dryrun.py): each op signature of the step is checked once per session against the real kernel
-    (on a small twin of the model for a large one) and an op whose fake kernel differs raises DryRunError; the
-    collectives are not kernels (:data:`FAKE_RULES`). Bad input (N that does not divide the batch, a rank outside
-    the world, a process group already up) raises ValueError before anything starts; the fake process group and
-    the fake mode are gone when it returns or raises.
+    (prediction/dryrun.py): each op signature of the step is checked once against the real kernel (the result kept on
+    disk: fake_check_cache; on a small twin of the model for a large one) and an op whose fake kernel differs raises
+    DryRunError; the collectives are not kernels (:data:`FAKE_RULES`). Bad input (N that does not divide the batch, a
+    rank outside the world, a process group already up) raises ValueError before anything starts; the fake process group
+    and the fake mode are gone when it returns or raises.
     """
 
     check_rank_job(job, world_size, rank)

@@ -49,8 +49,9 @@ from .fake_check import CheckedFakeTensorMode, check_calls, op_checked
 #: What a dry run guarantees, and the one category it cannot measure.
 KERNEL_SCRATCH_RULE = (
     "A dry run sees every storage an op returns, autograd saves or a policy keeps. Each op's sizes come from its "
-    "fake kernel, checked once per session against the real kernel of this machine (run at a small shape); an op "
-    "whose fake kernel differs is refused with a DryRunError naming it. So a dry run that returns is exact for "
+    "fake kernel, checked once against the real kernel of this machine (run at a small shape; a CPU op's result "
+    "is kept on disk per machine and torch build, other ops' per session); an op whose fake kernel differs is "
+    "refused with a DryRunError naming it. So a dry run that returns is exact for "
     "every category but kernel scratch: memory a kernel allocates and frees inside one op. Fake tensors run no "
     "kernels, so the trace says kernel_scratch_recorded=False and that category reads 0 because it is unknown. It "
     "is compared with a real run measured with StepTracker(..., kernel_scratch=False); on CPU kernel scratch is "
