@@ -93,24 +93,26 @@ def line(ax, label: str):
     return found[0]
 
 
-def vertical_lines(ax) -> list[float]:
-    """The x of every axvline (a two-point line at one x spanning the axes)."""
+def _straight_lines(ax, along: str) -> list[float]:
+    """Where every axvline (``along="x"``: its x) or axhline (``"y"``: its y) of ``ax`` is: a two-point line at one
+    value that spans the axes in the other direction."""
     out = []
     for ln in ax.get_lines():
-        x = np.asarray(ln.get_xdata(), dtype=float)
-        if len(x) == 2 and x[0] == x[1] and list(ln.get_ydata()) == [0, 1]:
-            out.append(float(x[0]))
+        at, span = (ln.get_xdata(), ln.get_ydata()) if along == "x" else (ln.get_ydata(), ln.get_xdata())
+        at = np.asarray(at, dtype=float)
+        if len(at) == 2 and at[0] == at[1] and list(span) == [0, 1]:
+            out.append(float(at[0]))
     return out
+
+
+def vertical_lines(ax) -> list[float]:
+    """The x of every axvline."""
+    return _straight_lines(ax, "x")
 
 
 def horizontal_lines(ax) -> list[float]:
     """The y of every axhline."""
-    out = []
-    for ln in ax.get_lines():
-        y = np.asarray(ln.get_ydata(), dtype=float)
-        if len(y) == 2 and y[0] == y[1] and list(ln.get_xdata()) == [0, 1]:
-            out.append(float(y[0]))
-    return out
+    return _straight_lines(ax, "y")
 
 
 def numbers_in(text: str) -> list[float]:
