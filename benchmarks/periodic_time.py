@@ -46,7 +46,7 @@ def main() -> None:
         dry_run_config(cfg, **run)  # the op checks, once per session
         full, full_wall, full_cpu = timed(dry_run_config, cfg, **run)
         (fast, why), fast_wall, fast_cpu = timed(periodic.periodic_dry_run, cfg, **run)
-        diff = periodic._differences(fast, full)
+        diff = periodic.trace_differences(fast, full)
         same = "byte-identical" if not diff else f"DIFFERENT: {', '.join(diff)}"
         print(
             f"{name}: full {full_wall:5.1f} s wall ({full_cpu:5.1f} s CPU), periodic {fast_wall:5.1f} s wall "

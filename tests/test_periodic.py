@@ -18,7 +18,7 @@ TINY = dict(d_model=16, n_head=2, seq_len=8, vocab_size=64)
 def assert_same(fast, full):
     """Every sequence of the two traces equal (all but the wall times, which the periodic one does not measure):
     the whole timeline per category, every phase's peak and breakdown, the step peaks, allocations, marks."""
-    assert periodic._differences(fast, full) == []
+    assert periodic.trace_differences(fast, full) == []
 
 
 # Both blocks x every policy; across them fp32 and bf16 weights, bf16 autocast, manual and sdpa attention,
@@ -81,10 +81,10 @@ def test_rows_that_do_not_repeat_are_refused():
     """Rows whose numbers do not grow by one step per block (or that change, not just grow) are not extrapolated."""
     toks = [["a", "b"], ["a", "m", "b"], ["a", "m", "m", "b"]]
     grows = [np.array([[0], [1]]), np.array([[0], [1], [2]]), np.array([[0], [1], [2], [4]])]
-    with pytest.raises(periodic._NotPeriodic, match="same step"):
+    with pytest.raises(periodic.NotPeriodic, match="same step"):
         periodic._extrapolate(toks, grows, 3, "rows")
     changed = [["a", "b"], ["a", "m", "b"], ["a", "m", "n", "b"]]
-    with pytest.raises(periodic._NotPeriodic):
+    with pytest.raises(periodic.NotPeriodic):
         periodic._extrapolate(changed, [np.zeros((len(t), 1), dtype=np.int64) for t in changed], 3, "rows")
     steady = [np.array([[0], [1]]), np.array([[0], [1], [2]]), np.array([[0], [1], [2], [3]])]
     toks_ok, nums_ok = periodic._extrapolate(toks, steady, 3, "rows")  # depth 3 + 3: three blocks in between

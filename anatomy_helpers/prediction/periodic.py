@@ -1,4 +1,8 @@
-"""A dry run whose cost does not grow with depth: the course GPT's step at ``n_layer`` L from three shallow ones.
+"""A dry run whose cost does not grow with depth: a step at ``n_layer`` L from three shallow ones.
+
+:func:`periodic_trace` does it for any dry run given as a function of the depth (a rank of a parallel job, a
+Hugging Face model: anything whose blocks are numbered in its module names); :func:`periodic_dry_run` for the
+course GPT, as below.
 
 A model's blocks repeat, so its training step's allocation sequence repeats block by block. :func:`periodic_dry_run`
 dry-runs the same configuration at depths 3, 4 and 5 (:func:`~anatomy_helpers.prediction.dryrun.dry_run_config`,
@@ -35,6 +39,7 @@ import dataclasses
 import difflib
 import re
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,17 +54,24 @@ DEPTHS = (3, 4, 5)
 #: Rows apart within which a free names how far back its storage was allocated (see _rows).
 _NEAR = 8
 
-_BLOCK = re.compile(r"(^|\.)blocks\.(\d+)(?=\.|$)")
-_ROLE = re.compile(r"(^|\.)blocks\.([FML])(?=\.|$)")
+#: The name of the course GPT's list of blocks (its modules are ``blocks.0``, ``blocks.1``...).
+COURSE_BLOCKS = "blocks"
 
 
-class _NotPeriodic(Exception):
+def _patterns(blocks: str) -> tuple[re.Pattern, re.Pattern]:
+    """Regexes for a block's index in a module name, and for its role (F, M, L) once written as one."""
+    word = re.escape(blocks)
+    return re.compile(rf"(^|\.){word}\.(\d+)(?=\.|$)"), re.compile(rf"(^|\.){word}\.([FML])(?=\.|$)")
+
+
+class NotPeriodic(Exception):
     """The recorded rows do not repeat block by block (the message says where)."""
 
 
-def _role_name(name: str, depth: int) -> tuple[str, int]:
-    """``name`` with its block index written as a role (F first, L last, M in between), and that index (-1: none)."""
-    match = _BLOCK.search(name)
+def _role_name(name: str, depth: int, blocks: str = COURSE_BLOCKS) -> tuple[str, int]:
+    """``name`` with its block index written as a role (F first, L last, M in between), and that index (-1: none);
+    ``blocks``: the name of the model's list of blocks."""
+    match = _patterns(blocks)[0].search(name)
     if match is None:
         return name, -1
     b = int(match.group(2))
@@ -67,11 +79,11 @@ def _role_name(name: str, depth: int) -> tuple[str, int]:
     return name[: match.start(2)] + role + name[match.end(2) :], b
 
 
-def _named(role_name: str, block: int) -> str:
+def _named(role_name: str, block: int, blocks: str = COURSE_BLOCKS) -> str:
     """The name back from its role form and block index."""
     if block < 0:
         return role_name
-    match = _ROLE.search(role_name)
+    match = _patterns(blocks)[1].search(role_name)
     return role_name[: match.start(2)] + str(block) + role_name[match.end(2) :]
 
 
@@ -86,7 +98,7 @@ def _aligned(a: list, b: list, what: str) -> tuple[np.ndarray, list[tuple[int, i
         elif tag == "insert":
             runs.append((i1, j2 - j1))
         else:
-            raise _NotPeriodic(f"the {what} of a deeper run are not the shallower run's with blocks inserted ({tag})")
+            raise NotPeriodic(f"the {what} of a deeper run are not the shallower run's with blocks inserted ({tag})")
     return where, runs
 
 
@@ -98,7 +110,7 @@ def _regions(runs1: list[tuple[int, int]], runs2: list[tuple[int, int]]) -> list
     p1, p2 = {p for p, _ in runs1}, {p for p, _ in runs2}
     only1, only2 = sorted(p1 - p2), sorted(p2 - p1)
     if bool(only1) != bool(only2):
-        raise _NotPeriodic("rows are inserted at a place at one depth and at no place near it at the other")
+        raise NotPeriodic("rows are inserted at a place at one depth and at no place near it at the other")
     spans = [[p, p] for p in p1 & p2]
     for p in only1:
         q = min(only2, key=lambda q: abs(q - p))
@@ -128,7 +140,7 @@ def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) ->
     def fixed(i1: int, i2: int) -> None:  # rows of the shallowest run that no block is inserted into
         d1, d2 = n1[w1[i1:i2]] - n0[i1:i2], n2[w2[i1:i2]] - n1[w1[i1:i2]]
         if not np.array_equal(d1, d2):
-            raise _NotPeriodic(f"the {what}' numbers do not grow by the same step per block")
+            raise NotPeriodic(f"the {what}' numbers do not grow by the same step per block")
         out_t.extend(t0[i1:i2])
         out_n.append(n0[i1:i2] + m * d1)
 
@@ -145,7 +157,7 @@ def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) ->
         r1, q1, r2, q2 = t1[s1:e1], n1[s1:e1], t2[s2:e2], n2[s2:e2]
         k = len(r1) - len(r0)
         if k <= 0 or len(r2) - len(r0) != 2 * k:
-            raise _NotPeriodic(f"the {what} do not gain the same rows per block from depth to depth")
+            raise NotPeriodic(f"the {what} do not gain the same rows per block from depth to depth")
         for x in range(len(r0) + 1):  # where, in the shallowest run's rows, the block's rows go
             chunk = r1[x : x + k]
             if r1 != r0[:x] + chunk + r0[x:] or r2 != r0[:x] + chunk * 2 + r0[x:]:
@@ -164,15 +176,15 @@ def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) ->
             out_n.append(tail[0] + m * (tail[1] - tail[0]))
             break
         else:
-            raise _NotPeriodic(f"the {what} inserted per block do not repeat with the same numbers' steps")
+            raise NotPeriodic(f"the {what} inserted per block do not repeat with the same numbers' steps")
     fixed(done, len(t0))
     return out_t, np.concatenate(out_n) if out_n else n0[:0]
 
 
-def _rows(tr: Trace, depth: int) -> dict[str, tuple[list, np.ndarray]]:
+def _rows(tr: Trace, depth: int, blocks: str = COURSE_BLOCKS) -> dict[str, tuple[list, np.ndarray]]:
     """Every sequence of ``tr`` as (tokens, numbers) rows."""
     names = tr.timeline.module_names
-    roles = [_role_name(n, depth) for n in names]
+    roles = [_role_name(n, depth, blocks) for n in names]
     seqs: dict[str, tuple[list, list]] = {}
     seqs["module names"] = ([r for r, _ in roles], [(b,) for _, b in roles])
     ids = np.r_[tr.baseline_ids, tr.alloc_ids].astype(np.int64)
@@ -207,28 +219,28 @@ def _rows(tr: Trace, depth: int) -> dict[str, tuple[list, np.ndarray]]:
         [(m.step, m.phase, near(n0 + m.index - 1), near(n0 + m.index)) for m in tr.phase_marks],
         [(m.index,) for m in tr.phase_marks],
     )
-    saved = [(s, _role_name(s.module, depth)) for s in tr.saved]
+    saved = [(s, _role_name(s.module, depth, blocks)) for s in tr.saved]
     seqs["saved tensors"] = (
         [(s.step, r, s.shape, str(s.dtype), s.bytes, s.storage_bytes, s.category) for s, (r, _) in saved],
         [(b, s.storage) for s, (_, b) in saved],
     )
-    grads = [(a, _role_name(p, depth)) for a, p in tr.grad_param.items()]
+    grads = [(a, _role_name(p, depth, blocks)) for a, p in tr.grad_param.items()]
     seqs["gradients"] = ([r for _, (r, _) in grads], [(b, a) for a, (_, b) in grads])
     return {k: (t, np.array(n, dtype=np.int64).reshape(len(t), -1)) for k, (t, n) in seqs.items()}
 
 
-def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float) -> Trace:
+def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float, blocks: str = COURSE_BLOCKS) -> Trace:
     """The Trace a recorder would build from these rows (``like``: a recorded trace, for its device and dtypes)."""
-    names = [_named(r, int(b)) for r, (b,) in zip(*rows["module names"])]
+    names = [_named(r, int(b), blocks) for r, (b,) in zip(*rows["module names"])]
     toks, nums = rows["events"]
     is_base = np.array([t[0] for t in toks], dtype=bool)
     n_baseline = int(is_base.sum())
     if is_base[n_baseline:].any():
-        raise _NotPeriodic("the baseline storages are not all before the step's samples")
+        raise NotPeriodic("the baseline storages are not all before the step's samples")
     ids = nums[:, 1]
     order, where = np.unique(ids, return_index=True)
     if not np.array_equal(order, np.arange(len(order))) or not np.all(np.diff(where) > 0):
-        raise _NotPeriodic("the allocation ids are not numbered in the order the storages first appear")
+        raise NotPeriodic("the allocation ids are not numbered in the order the storages first appear")
     alloc_category = np.array([toks[i][5] for i in where], dtype=np.int64)
     alloc_module = nums[where, 2]
     n = len(toks)
@@ -250,11 +262,11 @@ def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float
     ]  # fmt: skip
     dtypes = {str(s.dtype): s.dtype for s in like.saved}
     saved = [
-        SavedTensor(step=st, module=_named(r, int(b)), shape=shape, dtype=dtypes[dt], bytes=nb,
+        SavedTensor(step=st, module=_named(r, int(b), blocks), shape=shape, dtype=dtypes[dt], bytes=nb,
                     storage=int(a), storage_bytes=sb, category=c)
         for (st, r, shape, dt, nb, sb, c), (b, a) in zip(*rows["saved tensors"])
     ]  # fmt: skip
-    grad_param = {int(a): _named(r, int(b)) for r, (b, a) in zip(*rows["gradients"])}
+    grad_param = {int(a): _named(r, int(b), blocks) for r, (b, a) in zip(*rows["gradients"])}
     return Trace.from_events(
         events=events,
         n_baseline=n_baseline,
@@ -271,7 +283,7 @@ def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float
     )
 
 
-def _differences(fast: Trace, full: Trace) -> list[str]:
+def trace_differences(fast: Trace, full: Trace) -> list[str]:
     """What differs between two traces, wall times aside (empty: the same); for the tests and the benchmark."""
     a, b = fast.timeline, full.timeline
     checks = {
@@ -303,6 +315,27 @@ def _refused_before(cfg: ModelConfig) -> str | None:
     return None
 
 
+def periodic_trace(
+    run_at: Callable[[int], Trace], depth: int, blocks: str = COURSE_BLOCKS, started: float | None = None
+) -> Trace:
+    """The Trace ``run_at(depth)`` would record, built from ``run_at(d)`` for d in :data:`DEPTHS` (see the module's
+    docstring); raises NotPeriodic where the recorded rows do not repeat block by block.
+
+    ``run_at(d)``: the same step's Trace with ``d`` blocks (a dry run of any model: the course GPT, one rank of a
+    parallel job, a Hugging Face model); ``blocks``: the name of its list of blocks in module names (``blocks``
+    for the course GPT: ``blocks.3.attn``; ``layers`` for most Hugging Face models: ``model.layers.3.mlp``);
+    ``depth`` > the deepest of DEPTHS. ``started``: a ``time.perf_counter()`` the evenly spread wall times count
+    from (default: now).
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth <= DEPTHS[-1]:
+        raise ValueError(f"depth must be an integer above {DEPTHS[-1]}, the deepest run the period is read from")
+    started = time.perf_counter() if started is None else started
+    traces = [run_at(d) for d in DEPTHS]
+    rows = [_rows(tr, d, blocks) for tr, d in zip(traces, DEPTHS)]
+    out = {k: _extrapolate([r[k][0] for r in rows], [r[k][1] for r in rows], depth - DEPTHS[0], k) for k in rows[0]}
+    return _build(out, traces[0], started, blocks)
+
+
 def periodic_dry_run(cfg: ModelConfig, **run) -> tuple[Trace, str | None]:
     """``dry_run_config(cfg, **run)``'s Trace, built from dry runs at depths 3, 4 and 5; and None, or why it ran
     the full dry run instead (see the module's docstring). ``run``: dry_run_config's other keywords.
@@ -315,14 +348,10 @@ def periodic_dry_run(cfg: ModelConfig, **run) -> tuple[Trace, str | None]:
     started = time.perf_counter()
     why = _refused_before(cfg)
     if why is None:
-        traces = [dry_run_config(dataclasses.replace(cfg, n_layer=d), **run) for d in DEPTHS]
-        rows = [_rows(tr, d) for tr, d in zip(traces, DEPTHS)]
         try:
-            out = {
-                k: _extrapolate([r[k][0] for r in rows], [r[k][1] for r in rows], cfg.n_layer - DEPTHS[0], k)
-                for k in rows[0]
-            }
-            return _build(out, traces[0], started), None
-        except _NotPeriodic as e:
+            trace = periodic_trace(lambda d: dry_run_config(dataclasses.replace(cfg, n_layer=d), **run), cfg.n_layer,
+                                   started=started)  # fmt: skip
+            return trace, None
+        except NotPeriodic as e:
             why = str(e)
     return dry_run_config(cfg, **run), f"full dry run: {why}"
