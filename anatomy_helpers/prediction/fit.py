@@ -1,7 +1,10 @@
 """Will a training step fit on a GPU, which phase runs out first, and the cheapest fix: all predicted on this
 machine's CPU with dry runs (:mod:`anatomy_helpers.prediction.dryrun`: the tracked step on fake tensors, exact for every
 category but kernel scratch), so it works for models far larger than the machine. Lesson 06 teaches it and the CLI's
-``predict`` command prints it; the ranked fixes are in :mod:`anatomy_helpers.prediction.fixes`.
+``predict`` command prints it; the ranked fixes are in :mod:`anatomy_helpers.prediction.fixes`. A model deeper than
+5 blocks is dry-run at depths 3, 4 and 5 and extended to its depth (:mod:`anatomy_helpers.prediction.periodic`: the
+same bytes as the full-depth dry run), so a prediction's cost does not grow with depth; each report says which dry
+run answered (:func:`dry_run_text`).
 
 The devices, their memory as a process sees it (below the driver's figure) and the CUDA context's share, are in
 :mod:`anatomy_helpers.prediction.devices`. The **caching allocator** rounds requests and keeps segments, so it reserves
