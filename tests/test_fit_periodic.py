@@ -1,5 +1,5 @@
 """The course GPT's predictions dry-run depths 3, 4 and 5 and extend them (prediction/periodic.py): every number
-of a FitReport and of the ranked fixes equals the full-depth dry run's, and the report and the CLI say which dry
+of a FitReport and of a lever's Fix equals the full-depth dry run's, and the report and the CLI say which dry
 run answered."""
 
 import dataclasses
@@ -11,8 +11,8 @@ from anatomy_helpers.cli.main import main
 from anatomy_helpers.core.model import ModelConfig
 from anatomy_helpers.prediction import fit
 from anatomy_helpers.prediction.devices import Device
-from anatomy_helpers.prediction.fit import FULL_DRY_RUN_ENV, dry_run_text, will_it_fit
-from anatomy_helpers.prediction.fixes import cheapest_fix
+from anatomy_helpers.prediction.fit import FULL_DRY_RUN_ENV, FitRequest, dry_run_text, will_it_fit
+from anatomy_helpers.prediction.levers import levers, try_levers
 
 # deep enough for the period (more than 5 blocks), small enough that each dry run takes a fraction of a second
 DEEP = dict(n_layer=8, d_model=32, n_head=2, seq_len=16, vocab_size=128)
@@ -65,14 +65,18 @@ def test_will_it_fit_equals_the_full_dry_runs_report(fields, options, cap, monke
     assert fast.table() == full.table() and fast.verdict() == full.verdict()
 
 
-def test_cheapest_fix_equals_the_full_dry_runs_fixes(roomy, monkeypatch):
-    """Every lever's report (try_levers, combined), ranked, is the same from the extended dry runs."""
+def test_levers_reports_equal_the_full_dry_runs(roomy, monkeypatch):
+    """Levers the reports above do not take (the attention checkpointed, the chunked loss, bf16 optimizer state),
+    tried as cheapest_fix tries them (try_levers), give the same Fixes from the extended dry runs."""
     cfg = ModelConfig(**DEEP)
     tight = Device("cut", fit.get_device(2**40).context + max(p.reserved for p in roomy.phases) * 3 // 4)
-    fast = cheapest_fix(cfg, 2, device=tight)
-    full = full_depth(monkeypatch, lambda: cheapest_fix(cfg, 2, device=tight))
-    assert fast, "the step must not fit, or there is nothing to compare"
-    assert all(f.report.dry_run == dry_run_text(8, None) for f in fast)
+    request = FitRequest(cfg, 2, device=tight)
+    names = ("checkpoint=attention", "chunked loss (4 tokens)", "bf16 optimizer state")  # the catalogue's order
+    chosen = [lever for lever in levers(cfg, batch_size=2, device=tight) if lever.name in names]
+    fast = try_levers(request, tight, chosen)
+    full = full_depth(monkeypatch, lambda: try_levers(request, tight, chosen))
+    assert [f.name for f in fast] == list(names)
+    assert all(f.report.dry_run == EXTENDED for f in fast)
     assert [dataclasses.replace(f, report=numbers(f.report)) for f in fast] == [
         dataclasses.replace(f, report=numbers(f.report)) for f in full
     ]
