@@ -5,7 +5,8 @@ cold and warm.
     python benchmarks/predict_time.py --no-fix   # the predictions only
 
 Each run is a fresh ``python -m anatomy_helpers predict`` process, so the times include importing torch and the
-course package (printed on its own line: that part no change to the prediction can remove). Each line gives the
+course package (printed on its own line: that part no change to the prediction can remove; the next line adds
+``torch._dynamo``, which the first dry run of a process imports when it makes its FakeTensorMode). Each line gives the
 wall time and the process's CPU time (user + system): on a machine shared with other work the wall time grows with
 the load, the CPU time much less.
 
@@ -73,6 +74,8 @@ def main() -> None:
     args = parser.parse_args()
     imports = timed(["-c", "import anatomy_helpers.cli.main, anatomy_helpers.prediction.fit"])
     print(f"import torch and the course package: {seconds(imports)} (a floor under every run below)")
+    dynamo = timed(["-c", "import anatomy_helpers.cli.main, anatomy_helpers.prediction.fit, torch._dynamo"])
+    print(f"  and torch._dynamo, which a dry run's FakeTensorMode imports: {seconds(dynamo)} (the floor of a dry run)")
     predict = ["-m", "anatomy_helpers", "predict"]
     cases = [
         ("course default", [], None),
