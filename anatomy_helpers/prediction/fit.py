@@ -112,8 +112,8 @@ def describe(cfg: ModelConfig, batch_size: int, optimizer: str, implementation: 
     return ", ".join(parts)
 
 
-#: A dry run replays every layer's ops (about 0.1 s per layer and step at 7B's width on one core): beyond this,
-#: minutes.
+#: A full-depth dry run (where the period of depths 3, 4 and 5 does not apply) replays every layer's ops (about
+#: 0.1 s per layer and step at 7B's width on one core): beyond this, minutes.
 MAX_LAYERS = 1024
 #: Refuse configurations whose parameters and logits alone need more than this many times the device's memory:
 #: no dry run is needed to say they cannot fit, and their sizes approach what int64 tensor sizes can hold.
