@@ -127,7 +127,8 @@ def test_predict_bad_options_exit_2_before_any_work(args, message, capsys, monke
     import anatomy_helpers.distributed.one_fit as one_fit
     import anatomy_helpers.prediction.fit as fit
 
-    monkeypatch.setattr(fit, "dry_run_config", lambda *a, **k: pytest.fail("dry-ran a refused request"))
+    for name in ("dry_run_config", "periodic_dry_run"):  # fit's two dry runs (full depth, and depths 3, 4, 5)
+        monkeypatch.setattr(fit, name, lambda *a, **k: pytest.fail("dry-ran a refused request"))
     monkeypatch.setattr(one_fit, "dry_run_rank", lambda *a, **k: pytest.fail("dry-ran a refused request"))
     with pytest.raises(SystemExit) as e:
         main([*PREDICT_TINY, *args])

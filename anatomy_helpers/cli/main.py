@@ -169,7 +169,9 @@ def predict_main(argv: list[str]) -> int:
         return 0
     report = will_it_fit(cfg, args.batch_size, micro_batches=args.micro_batches, **kw)
     fixes = cheapest_fix(cfg, args.batch_size, micro_batches=args.micro_batches, **kw) if args.fix else []
-    print_fit(report, fixes, device, as_json=args.json, fix=args.fix)
+    if not args.json:  # which dry run answered (prediction/periodic.py), before the answer
+        print(f"dry run: {report.dry_run}")
+    print_fit(report, fixes, device, as_json=args.json, fix=args.fix, dry_run=report.dry_run)
     return 0
 
 

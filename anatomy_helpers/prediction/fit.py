@@ -1,7 +1,10 @@
 """Will a training step fit on a GPU, which phase runs out first, and the cheapest fix: all predicted on this
 machine's CPU with dry runs (:mod:`anatomy_helpers.prediction.dryrun`: the tracked step on fake tensors, exact for every
 category but kernel scratch), so it works for models far larger than the machine. Lesson 06 teaches it and the CLI's
-``predict`` command prints it; the ranked fixes are in :mod:`anatomy_helpers.prediction.fixes`.
+``predict`` command prints it; the ranked fixes are in :mod:`anatomy_helpers.prediction.fixes`. A model deeper than
+5 blocks is dry-run at depths 3, 4 and 5 and extended to its depth (:mod:`anatomy_helpers.prediction.periodic`: the
+same bytes as the full-depth dry run), so a prediction's cost does not grow with depth; each report says which dry
+run answered (:func:`dry_run_text`).
 
 The devices, their memory as a process sees it (below the driver's figure) and the CUDA context's share, are in
 :mod:`anatomy_helpers.prediction.devices`. The **caching allocator** rounds requests and keeps segments, so it reserves
@@ -21,6 +24,7 @@ Bytes everywhere unless a name says otherwise.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import astuple, dataclass, field, replace
 
 import torch
@@ -43,6 +47,7 @@ from .cuda_rules import (
 from .devices import DEFAULT_GPU, Device, get_device
 from .dryrun import dry_run_config
 from .fit_report import FitReport, PhaseNeed, assumed_bytes, size_text
+from .periodic import DEPTHS, periodic_dry_run
 from .sdpa_rules import sdpa_backend
 
 #: Optimizer implementations and the (foreach, fused) flags that pick them.
@@ -107,8 +112,8 @@ def describe(cfg: ModelConfig, batch_size: int, optimizer: str, implementation: 
     return ", ".join(parts)
 
 
-#: A dry run replays every layer's ops (about 0.1 s per layer and step at 7B's width on one core): beyond this,
-#: minutes.
+#: A full-depth dry run (where the period of depths 3, 4 and 5 does not apply) replays every layer's ops (about
+#: 0.1 s per layer and step at 7B's width on one core): beyond this, minutes.
 MAX_LAYERS = 1024
 #: Refuse configurations whose parameters and logits alone need more than this many times the device's memory:
 #: no dry run is needed to say they cannot fit, and their sizes approach what int64 tensor sizes can hold.
@@ -170,6 +175,7 @@ class FitRequest:
         if self.in_backward and self.micro_batches > 1:
             raise ValueError("in_backward cannot accumulate micro-batches: it steps at every backward")
         one_of("autocast", self.autocast, AUTOCAST_CHOICES)
+        full_dry_run_asked()  # the environment's choice of dry run (FULL_DRY_RUN_ENV), checked before any work
         if cfg.n_layer > MAX_LAYERS:
             raise ValueError(
                 f"n_layer must be at most {MAX_LAYERS} for a dry run (it replays every layer), got {cfg.n_layer}"
@@ -227,13 +233,33 @@ def will_it_fit(cfg: ModelConfig | None = None, batch_size: int = 8, **options) 
 DRY_RUNS_KEPT = 32
 
 
+#: Set to 1, every course-GPT prediction dry-runs the whole depth instead of extending depths 3, 4 and 5
+#: (:func:`~anatomy_helpers.prediction.periodic.periodic_dry_run`): the baseline benchmarks/predict_time.py times
+#: each case against, and the tests' full path. Unset (or 0): the periodic dry run where it applies.
+FULL_DRY_RUN_ENV = "ANATOMY_FULL_DRY_RUN"
+
+
+def full_dry_run_asked() -> bool:
+    """Whether :data:`FULL_DRY_RUN_ENV` asks for the full-depth dry run; ValueError for a value other than 0 or 1."""
+    value = os.environ.get(FULL_DRY_RUN_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FULL_DRY_RUN_ENV} must be 0 or 1 (or unset), got {value!r}")
+    return value == "1"
+
+
 @functools.lru_cache(maxsize=DRY_RUNS_KEPT)
 def _dry_run(
-    fields: tuple, batch_size: int, optimizer: str, implementation: str, autocast: str | None, in_backward: bool
+    fields: tuple,
+    batch_size: int,
+    optimizer: str,
+    implementation: str,
+    autocast: str | None,
+    in_backward: bool,
+    full: bool,
 ):
     foreach, fused = IMPLEMENTATION_FLAGS[implementation]
-    trace = dry_run_config(
-        ModelConfig(*fields),
+    cfg = ModelConfig(*fields)
+    run = dict(
         optimizer=optimizer,
         foreach=foreach,
         fused=fused,
@@ -241,7 +267,24 @@ def _dry_run(
         autocast=autocast,
         in_backward=in_backward,
     )
-    return trace, replay(trace.allocation_record())
+    if full:
+        trace, why = dry_run_config(cfg, **run), f"full dry run: {FULL_DRY_RUN_ENV}=1 asks for it"
+    else:
+        trace, why = periodic_dry_run(cfg, **run)
+    return trace, replay(trace.allocation_record()), why
+
+
+def _course_dry_run(
+    cfg: ModelConfig,
+    batch_size: int,
+    optimizer: str,
+    implementation: str,
+    autocast: str | None,
+    in_backward: bool = False,
+):
+    """(Trace, uncapped replay, why the dry run ran at full depth: None where depths 3, 4 and 5 were extended)."""
+    full = full_dry_run_asked()
+    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward, full)
 
 
 def dry_run_and_replay(
@@ -253,8 +296,22 @@ def dry_run_and_replay(
     in_backward: bool = False,
 ):
     """(the Trace of ``dry_run_config``, its uncapped allocator replay) for two steps of ``cfg``: the last
-    :data:`DRY_RUNS_KEPT` are kept and given again (read them, do not change them)."""
-    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward)
+    :data:`DRY_RUNS_KEPT` are kept and given again (read them, do not change them).
+
+    The Trace is :func:`~anatomy_helpers.prediction.periodic.periodic_dry_run`'s: deeper than 5 blocks, built from
+    dry runs at depths 3, 4 and 5, the same bytes as the full-depth dry run (tests/test_periodic.py), and wall times
+    spread evenly, not measured (nothing here reads them); where the step does not repeat block by block, or
+    :data:`FULL_DRY_RUN_ENV` is 1, the full dry run's."""
+    return _course_dry_run(cfg, batch_size, optimizer, implementation, autocast, in_backward)[:2]
+
+
+def dry_run_text(n_layer: int, why: str | None) -> str:
+    """Which dry run answered, in words: ``why`` is :func:`~anatomy_helpers.prediction.periodic.periodic_dry_run`'s
+    (None: depths 3, 4 and 5 extended to ``n_layer`` blocks; else why it ran at full depth)."""
+    if why is None:
+        depths = ", ".join(map(str, DEPTHS))
+        return f"depths {depths}, extended to {n_layer} blocks (exact: the same bytes as a full dry run)"
+    return f"full depth ({why.removeprefix('full dry run: ')})"
 
 
 def gradient_bytes(cfg: ModelConfig) -> int:
@@ -310,6 +367,8 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     """The :class:`FitReport` of ``request`` on ``dev`` (its checked device), from its dry run
     (:func:`dry_run_and_replay`).
 
+    Its ``dry_run`` says which dry run answered (:func:`dry_run_text`).
+
     ``micro_batches=k``: the dry run of one micro-batch (``batch_size // k`` rows), with the whole gradients added to
     its forward and backward and the rest of the global batch's inputs (``track_steps`` slices micro-batches out of
     it) to every phase, and the allocator's cap lowered by both: an upper bound (from the second micro-batch on,
@@ -318,7 +377,7 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     """
     cfg, autocast, micro_batches = request.cfg, request.autocast, request.micro_batches
     b = request.batch_size // micro_batches
-    trace, rep = dry_run_and_replay(cfg, b, request.optimizer, request.implementation, autocast, request.in_backward)
+    trace, rep, why = _course_dry_run(cfg, b, request.optimizer, request.implementation, autocast, request.in_backward)
     grads = gradient_bytes(cfg) if micro_batches > 1 else 0
     inputs = 2 * 8 * cfg.seq_len * (request.batch_size - b)  # x and y (int64) of the rest of the global batch
     label = request.label()
@@ -339,6 +398,7 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     return FitReport(
         label, dev.name, dev.total, dev.usable, needs, _where(oom), grads + inputs, note, dev.context_note(), rules,
         course_assumptions(cfg, request.optimizer, autocast), workspace, oom, close, dev.total_note(),
+        dry_run_text(cfg.n_layer, why),
     )  # fmt: skip
 
 

@@ -87,6 +87,7 @@ class FitReport:
     oom: LimitReplay | None = None  # the capped replay where it ran out: what it held and asked for
     close: bool = False  # the simulated answer turns within `allowance` bytes of the usable memory
     capacity_note: str = ""  # which total ``capacity`` is, in words (devices.Device.total_note)
+    dry_run: str = ""  # which dry run answered, in words (fit.dry_run_text; "": its maker does not say)
 
     @property
     def fits(self) -> bool:
