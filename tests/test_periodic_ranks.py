@@ -80,3 +80,19 @@ def test_states_that_differ_from_the_rules_run_in_full(monkeypatch):
 def test_bad_input_is_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_fit_table_is_the_periodic_rank_of_every_row():
+    from anatomy_helpers.distributed.fit import fit_table, periodic_memory
+
+    seen = []
+
+    def iterate(runs):
+        seen.extend(runs)
+        return iter(runs)
+
+    shapes = {"tiny": {**MODEL, "n_layer": 6}}
+    table = fit_table(shapes, [("fsdp2_zero3", 1), ("tp_fsdp", 2)], [2], iterate=iterate)
+    assert len(seen) == 2 and [m.label for m, _ in table] == ["fsdp2_zero3", "tp2 x fsdp2"]
+    assert table[1] == periodic_memory("tiny", shapes["tiny"], "tp_fsdp", 2, 2)
+    assert all(why is None for _, why in table)
