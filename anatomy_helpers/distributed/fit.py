@@ -101,7 +101,7 @@ def dry_run_memory(
 
 
 def memory_of(name: str, result, tp: int = 1) -> RankMemory:
-    """A dry-run (or real) rank's RankResult as a :class:`RankMemory`."""
+    """A dry-run (or real) rank's RankResult, or a :class:`PeriodicRank`, as a :class:`RankMemory`."""
     ms = result.model_states
     return RankMemory(
         name,
@@ -148,7 +148,6 @@ def periodic_rank(job: RankJob, world_size: int, rank: int = 0) -> PeriodicRank:
     def run_at(d: int) -> Trace:
         return dry_run_rank(dataclasses.replace(job, model={**job.model, "n_layer": d}), world_size, rank).result.trace
 
-    why = None
     if depth <= DEPTHS[-1]:
         why = f"n_layer {depth} is at most {DEPTHS[-1]}, the deepest run the period is read from"
     else:
