@@ -7,7 +7,6 @@ import pytest
 
 from anatomy_helpers.core.model import ModelConfig
 from anatomy_helpers.distributed.fake_world import WorldRow, model_states_rule
-from anatomy_helpers.distributed.fit import SHAPES, states_rule
 from anatomy_helpers.distributed.sync_model import ASSUMPTIONS, LINKS
 from anatomy_helpers.distributed.tensor_parallel import korthikanti_tp_terms, layer_parts, tp_dry_run
 from anatomy_helpers.lessons.lesson11_scale import (
@@ -21,8 +20,6 @@ from anatomy_helpers.lessons.lesson11_scale import (
     fsdp_gathers,
     per_rank_rows,
     shrink_factors,
-    states_fit,
-    stored_fit,
     sync_curves,
     tp_layers,
     tp_totals,
@@ -156,15 +153,6 @@ def test_fsdp_gathers_pad_each_parameter_to_n_chunks_of_ceil_rows_over_n():
     assert [g.padding for g in rows][:2] == [0, 0] and rows[2].padding > 0  # 32 does not divide 16 or 48
     assert rows[3].gathered == 128 * sum(b for _, b in shapes)  # past every row count: one row per rank
     assert "x block" in format_gathers(rows)
-
-
-def test_states_fit_adds_the_rules_states_to_the_rest_of_the_dry_run_peak():
-    fit, _ = stored_fit()
-    row = next(r for r in fit if (r.model, r.label, r.world_size) == ("70B", "tp8 x fsdp2", 1024))
-    between = states_fit(fit, world_sizes=(64, 1024))
-    assert between[-1].estimate == row.peak  # at the dry-run N: the dry run's peak
-    assert between[0].model_states == sum(states_rule(SHAPES["70B"], "tp_fsdp", 64, 8).values())
-    assert between[0].rest == between[1].rest == row.peak - row.model_states
 
 
 # ---- the panel -----------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The 2-D mesh (TP inside a node x FSDP2 across nodes, distributed/mesh2d.py) dry-run on torch's fake process group:
 one rank's model states against the shapes (computed here with torch.chunk, independently of the rules), the rules
-at large N, the per-block scaling of distributed/fit.py against full dry runs, and bad input."""
+at large N, and bad input (the full-depth rank from three shallow ones: tests/test_periodic_ranks.py)."""
 
 import pytest
 import torch
@@ -8,16 +8,7 @@ import torch.distributed as dist
 
 from anatomy_helpers import make_model
 from anatomy_helpers.distributed.fake_world import STEP_BYTES, dry_run_rank, mesh_states_rule
-from anatomy_helpers.distributed.fit import (
-    FIGURES,
-    as_records,
-    from_records,
-    layer_rule_gaps,
-    layer_scaled_memory,
-    memory_of,
-    scale_layers,
-    states_rule,
-)
+from anatomy_helpers.distributed.fit import memory_of, states_rule
 from anatomy_helpers.distributed.mesh2d import check_mesh, tp_split_dims
 from anatomy_helpers.distributed.ranks import RankJob
 from anatomy_helpers.prediction.formulas import zero_model_states
@@ -25,7 +16,7 @@ from anatomy_helpers.prediction.formulas import zero_model_states
 MODEL = dict(n_layer=3, d_model=32, n_head=4, seq_len=16, attn_impl="sdpa")
 WORLD, TP = 8, 2  # 4 nodes of 2 ranks
 RANK = 7  # the last node (dp rank 3 of 4: a short chunk of the 59-row embedding), second TP rank
-BASE = 3  # the per-block scaling from 3 and 4 blocks, against a full dry run of 5
+BASE = 3  # the rank dry-run with 3, 4 and 5 blocks
 COLWISE = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias")  # split by output features
 ROWWISE = ("attn.proj.weight", "mlp.proj.weight")  # split by input features (their biases stay whole)
 
@@ -103,20 +94,9 @@ def test_tp_split_dims_are_read_from_the_plan():
     assert {k for k, d in split.items() if d == 1} == set(ROWWISE)
 
 
-def test_per_block_scaling_equals_the_full_dry_run(runs):
-    """Model states by the rules, the rest from 3 and 4 blocks: the 5-block dry run, byte for byte."""
-    small = [memory_of("x", runs[n], TP) for n in (BASE, BASE + 1)]
-    model = {**MODEL, "n_layer": BASE + 2}
-    estimate = scale_layers(small, model, BASE, RANK)
-    gaps = layer_rule_gaps(estimate, memory_of("x", runs[BASE + 2], TP))
-    assert gaps == dict.fromkeys(FIGURES, 0)
-    assert estimate.activations > small[1].activations > small[0].activations  # it does grow per block
-
-
-def test_records_round_trip(runs):
-    rows = [memory_of("x", runs[BASE], TP)]
-    assert from_records(as_records(rows)) == rows
-    assert states_rule(MODEL, "tp_fsdp", WORLD, TP, RANK)["gradients"] == rows[0].gradients
+def test_memory_of_reads_the_rules_states(runs):
+    row = memory_of("x", runs[BASE], TP)
+    assert row.gradients == states_rule(MODEL, "tp_fsdp", WORLD, TP, RANK)["gradients"]
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------
@@ -136,7 +116,6 @@ def test_records_round_trip(runs):
         (lambda: mesh_states_rule(MODEL, 10, 4), "must divide the world size"),
         (lambda: mesh_states_rule(MODEL, 8, 8), "divide n_head"),
         (lambda: check_mesh(8, True), "must be a positive integer"),
-        (lambda: layer_scaled_memory("x", MODEL, "ddp", 2, base=3), "base must be an integer in \\[1, n_layer\\)"),
     ],
 )
 def test_bad_input_is_refused_before_anything_starts(call, message):
@@ -168,20 +147,7 @@ def test_the_batch_rule_splits_rows_among_data_parallel_ranks_only():
             check_jobs(job, world)
 
 
-# ---- the stored 7B / 70B table (scripts/record_fit.py) ------------------------------------------------------------
-
-
-def test_the_stored_fit_table_is_of_the_current_shapes_and_rules():
-    """Re-record (scripts/record_fit.py) when a shape, the base or a rule changes: the record must say what it is."""
-    from anatomy_helpers.distributed.fit import FIT_STRATEGIES, FIT_WORLD_SIZES, SHAPES
-    from anatomy_helpers.lessons.lesson11_scale import FIT_BASE, stored_fit
-
-    rows, made = stored_fit()
-    assert made["shapes"] == SHAPES and made["base"] == FIT_BASE
-    assert {(r.model, r.strategy, r.tp, r.world_size) for r in rows} == {
-        (m, s, tp, n) for m in SHAPES for s, tp in FIT_STRATEGIES for n in FIT_WORLD_SIZES
-    }
-    assert all(r.peak >= r.model_states for r in rows)
+# ---- the 7B / 70B table's reading ------------------------------------------------------------------------------
 
 
 def test_smallest_fitting_n_takes_the_smallest_n_whose_peak_fits():

@@ -1,33 +1,37 @@
-"""Which strategy fits a 7B- or 70B-shaped model on 80 GB devices, and at what N: one rank's memory, estimated from
-dry runs of a few layers of the real shape.
+"""Which strategy fits a 7B- or 70B-shaped model on 80 GB devices, and at what N: one rank's memory, from a dry run
+of that rank at the model's full depth.
 
-A fake rank of the full 70B shape (80 blocks) would run every op of 80 blocks through FakeTensorMode and FSDP2's
-per-parameter bookkeeping for each of its 4,096 ranks' chunks: minutes per (strategy, N) on two cores. The blocks
-are identical, so what one rank holds is, per category:
+A fake rank of the full 70B shape (80 blocks) runs every op of 80 blocks through FakeTensorMode and FSDP2's
+per-parameter bookkeeping: a minute or more per (strategy, N) on two cores. The blocks are identical, so the rank's
+step repeats block by block: :func:`periodic_rank` dry-runs the same rank with 3, 4 and 5 blocks of the real shape
+and builds its Trace at the full depth from them
+(:func:`~anatomy_helpers.prediction.periodic.periodic_trace`): every sample of the timeline, every phase's peak and
+breakdown, computed on the whole step, equal to the full-depth dry run's byte for byte (tests/test_periodic_ranks.py
+checks DDP, ZeRO-1, FSDP2 and TP x FSDP2 against full dry runs), never a peak scaled per block. Per rank:
 
-* **model states** (parameters, gradients, optimizer state): the exact rules, from the full model's shapes
-  (:func:`~anatomy_helpers.distributed.fake_world.model_states_rule`,
-  :func:`~anatomy_helpers.distributed.mesh2d.mesh_states_rule`), which the dry runs equal byte for byte. Not scaled
-  per layer: ZeRO-1's whole-parameter partition of 80 blocks is not 80 times that of one;
-* **activations, communication peak**: dry-run at ``base`` and ``base + 1`` blocks of the real width and scaled
-  linearly, ``X(L) = X(base) + (L - base) (X(base + 1) - X(base))``;
-* **peak**: the full model's states plus the rest of the peak (peak minus states: activations, buffers, the
-  batch), scaled the same way.
+* **model states** (parameters, gradients, optimizer state): read from that Trace as a rank reads its own (just
+  before its last optimizer step) and checked against the exact rules, from the full model's shapes
+  (:func:`states_rule`: :func:`~anatomy_helpers.distributed.fake_world.model_states_rule`,
+  :func:`~anatomy_helpers.distributed.fake_world.mesh_states_rule`);
+* **activations, communication peak, peak**: the most bytes of each alive at any moment of that Trace.
 
-:func:`layer_rule_gaps` sets the estimate beside the full dry run of a small model. Measured (2 heads, h = 64, 32
-tokens, N = 8): TP x FSDP2 from 3 and 4 blocks equals the 5-block dry run in every figure, byte for byte
-(tests/test_mesh2d.py); so do DDP (2, 3 -> 5 blocks) and FSDP2 (3, 4 -> 6). ZeRO-1's peak does not: it falls in the
-optimizer step, whose AdamW temporaries follow ZeRO-1's whole-parameter partition, not the blocks (+32,768 B of
-4,166,440 B at 6 blocks); its model states are exact (the rules), its peak approximate. Bytes everywhere.
+Where the rows do not repeat block by block (ZeRO-1 where its whole-parameter partition gives a rank different
+parameters at each depth), or the states differ from the rules, it runs the full-depth dry run and says why. Bytes
+everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ..core.model import ModelConfig
 from ..core.tables import Col, format_table
 from ..core.units import GiB, KiB
+from ..prediction.periodic import DEPTHS, NotPeriodic, periodic_trace
+from ..tracking.trace import Trace
 from .fake_world import dry_run_rank, mesh_states_rule, model_states_rule
 from .ranks import RankJob
 
@@ -45,6 +49,8 @@ FIT_STRATEGIES = (("ddp", 1), ("zero1", 1), ("fsdp2_zero3", 1), ("tp_fsdp", 8))
 FIT_WORLD_SIZES = (8, 1024, 4096)
 DEVICE_BYTES = 80 * 10**9  # an 80 GB device (H100 SXM, A100 80GB data sheets: GB, 10^9 bytes)
 FIGURES = ("parameters", "gradients", "optimizer_state", "activations", "communication_peak", "peak")
+#: What a rank reads as its model states before its last optimizer step (RankResult.model_states's keys).
+MODEL_STATES = ("parameters", "gradients", "optimizer_state", "communication")
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ def dry_run_memory(
 
 
 def memory_of(name: str, result, tp: int = 1) -> RankMemory:
-    """A dry-run (or real) rank's RankResult as a :class:`RankMemory`."""
+    """A dry-run (or real) rank's RankResult, or a :class:`PeriodicRank`, as a :class:`RankMemory`."""
     ms = result.model_states
     return RankMemory(
         name,
@@ -111,66 +117,75 @@ def memory_of(name: str, result, tp: int = 1) -> RankMemory:
     )
 
 
-def layer_scaled_memory(
-    name: str, model: dict, strategy: str, world_size: int, tp: int = 1, rows: int = 1, base: int = 2
-) -> RankMemory:
-    """Rank 0's memory for ``model`` (all its blocks) from dry runs of ``base`` and ``base + 1`` blocks of its
-    shape, scaled per block as the module docstring says; the model states by the exact rules."""
-    layers = model["n_layer"]
-    if not isinstance(base, int) or isinstance(base, bool) or not 1 <= base < layers:
-        raise ValueError(f"base must be an integer in [1, n_layer) = [1, {layers}), got {base!r}")
-    small = [dry_run_memory(name, {**model, "n_layer": n}, strategy, world_size, tp, rows) for n in (base, base + 1)]
-    return scale_layers(small, model, base)
+@dataclass(frozen=True)
+class PeriodicRank:
+    """One rank's step at its model's full depth, found by :func:`periodic_rank`: what :func:`memory_of` reads."""
+
+    strategy: str
+    rank: int
+    world_size: int
+    trace: Trace
+    model_states: dict[str, int]  # bytes per category just before the last optimizer step, as RankResult's
+    why: str | None  # None: built from dry runs of 3, 4 and 5 blocks; else why the full-depth dry run ran
+    cpu_s: float  # this process's CPU seconds for it
+
+    @property
+    def peak(self):
+        return self.trace.peak()
 
 
-def scale_layers(small: list[RankMemory], model: dict, base: int, rank: int = 0) -> RankMemory:
-    """The estimate for ``model`` from ``small``, rank ``rank``'s memory with ``base`` and ``base + 1`` blocks."""
-    layers = model["n_layer"]
-    name, strategy, world_size, tp = small[0].model, small[0].strategy, small[0].world_size, small[0].tp
-    states = states_rule(model, strategy, world_size, tp, rank)
+def periodic_rank(job: RankJob, world_size: int, rank: int = 0) -> PeriodicRank:
+    """Rank ``rank`` of ``job`` on ``world_size`` ranks at its model's full depth, from dry runs of the same rank
+    with 3, 4 and 5 blocks (see the module's docstring); the full-depth dry run where that is refused, and why.
 
-    def scaled(a: int, b: int) -> int:
-        return a + (layers - base) * (b - a)
+    The Trace equals :func:`~anatomy_helpers.distributed.fake_world.dry_run_rank`'s (wall times aside: spread
+    evenly); the model states are read from it as a rank reads its own and must equal :func:`states_rule`'s."""
+    if not isinstance(job, RankJob):
+        raise ValueError(f"job must be a RankJob, got {type(job).__name__}")
+    started, cpu = time.perf_counter(), time.process_time()
+    depth = ModelConfig(**job.model).n_layer  # a bad config fails here
 
-    rest = [m.peak - m.model_states for m in small]  # the peak beside the model states
-    return RankMemory(
-        name,
-        strategy,
-        tp,
-        world_size,
-        states["parameters"],
-        states["gradients"],
-        states["optimizer_state"],
-        scaled(small[0].activations, small[1].activations),
-        scaled(small[0].communication_peak, small[1].communication_peak),
-        sum(states.values()) + scaled(*rest),
+    def run_at(d: int) -> Trace:
+        return dry_run_rank(dataclasses.replace(job, model={**job.model, "n_layer": d}), world_size, rank).result.trace
+
+    if depth <= DEPTHS[-1]:
+        why = f"n_layer {depth} is at most {DEPTHS[-1]}, the deepest run the period is read from"
+    else:
+        try:
+            trace = periodic_trace(run_at, depth, started=started)
+        except NotPeriodic as e:
+            why = str(e)
+        else:
+            states = {c: trace.before_last_optimizer_step()[c] for c in MODEL_STATES}
+            rule = states_rule(job.model, job.strategy, world_size, job.tp, rank)
+            if all(states[c] == rule[c] for c in rule):
+                return PeriodicRank(job.strategy, rank, world_size, trace, states, None, time.process_time() - cpu)
+            why = f"the model states read from the built trace, {states}, are not the rules' {rule}"
+    full = dry_run_rank(job, world_size, rank).result
+    return PeriodicRank(
+        job.strategy, rank, world_size, full.trace, full.model_states, f"full dry run: {why}", time.process_time() - cpu
     )
 
 
-def layer_rule_gaps(estimate: RankMemory, full: RankMemory) -> dict[str, int]:
-    """``{figure: estimate - full dry run}`` (bytes): the per-block rule against the truth."""
-    return {f: getattr(estimate, f) - getattr(full, f) for f in FIGURES}
+def periodic_memory(
+    name: str, model: dict, strategy: str, world_size: int, tp: int = 1, rows: int = 1, rank: int = 0
+) -> tuple[RankMemory, str | None]:
+    """:func:`periodic_rank` of :func:`rank_job` as a :class:`RankMemory`, and why it ran in full (None: it did
+    not)."""
+    run = periodic_rank(rank_job(model, strategy, world_size, tp, rows), world_size, rank)
+    return memory_of(name, run, tp), run.why
 
 
 def fit_table(
-    shapes: dict = SHAPES, strategies=FIT_STRATEGIES, world_sizes=FIT_WORLD_SIZES, base: int = 2
-) -> list[RankMemory]:
-    """:func:`layer_scaled_memory` for every shape, strategy and world size (minutes: scripts/record_fit.py keeps
-    the result, lessons/fit_reference.json)."""
-    return [
-        layer_scaled_memory(name, model, strategy, n, tp, base=base)
-        for name, model in shapes.items()
-        for strategy, tp in strategies
-        for n in world_sizes
-    ]
-
-
-def as_records(rows: list[RankMemory]) -> list[dict]:
-    return [dataclasses.asdict(r) for r in rows]
-
-
-def from_records(records: list[dict]) -> list[RankMemory]:
-    return [RankMemory(**r) for r in records]
+    shapes: dict = SHAPES,
+    strategies: Iterable[tuple[str, int]] = FIT_STRATEGIES,
+    world_sizes: Iterable[int] = FIT_WORLD_SIZES,
+    iterate: Callable = iter,
+) -> list[tuple[RankMemory, str | None]]:
+    """:func:`periodic_memory` of rank 0 for every shape, strategy and world size, one row per data-parallel rank
+    (``iterate`` wraps the list of rows: e.g. a progress bar)."""
+    runs = [(name, model, s, n, tp) for name, model in shapes.items() for s, tp in strategies for n in world_sizes]
+    return [periodic_memory(name, model, s, n, tp) for name, model, s, n, tp in iterate(runs)]
 
 
 def format_fit_table(rows: list[RankMemory], device_bytes: int | None = DEVICE_BYTES, unit: str = "GiB") -> str:

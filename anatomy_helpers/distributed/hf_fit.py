@@ -163,8 +163,7 @@ def dry_run_hf_rank(model, ft: FineTune, world_size: int = 2, zero: int = 0, ran
 
 def rank_note(trace: Trace, world_size: int, zero: int) -> str:
     """What one rank holds before its last optimizer step, and how it was found."""
-    last = trace.phase(trace.training_steps()[-1], "optimizer")
-    before = trace.at(last.start - 1)
+    before = trace.before_last_optimizer_step()
     parts = ", ".join(f"{c.replace('_', ' ')} {size_text(before[c])}" for c in MODEL_STATES)
     return (
         f"per rank of {world_size} under {ZERO_STRATEGIES[zero]} (ZeRO-{zero}): {parts} before the optimizer step; "

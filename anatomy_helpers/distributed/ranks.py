@@ -420,8 +420,7 @@ def run_job(
         handle.remove()
         if straggle is not None:
             straggle.remove()
-    last_opt = trace.phase(trace.training_steps()[-1], "optimizer")
-    before = trace.at(last_opt.start - 1)
+    before = trace.before_last_optimizer_step()
     result = RankResult(
         strategy=job.strategy,
         rank=rank,

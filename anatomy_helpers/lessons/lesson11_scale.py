@@ -7,9 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,11 +18,8 @@ from ..core.units import KiB, MiB
 from ..distributed.fake_world import WorldRow, fsdp_collectives_rule, world_rows
 from ..distributed.fit import (
     FIGURES,
-    SHAPES,
     RankMemory,
     dry_run_memory,
-    from_records,
-    states_rule,
 )
 from ..distributed.sync_model import ASSUMPTIONS, LINKS, Link, StepTime, expected_max, scaling_curve
 from ..distributed.tensor_parallel import TPPart, compare_tp_layer, korthikanti_tp_terms, tp_dry_run
@@ -418,45 +413,11 @@ def plot_timed_step(ranks: Sequence, kinds: Sequence[str] = ("synced", "straggle
 # 4 heads so that t = 2 splits them; 8 ranks: 4 nodes of 2
 MESH_CONFIG = dict(n_layer=2, d_model=64, n_head=4, seq_len=32)
 MESH_WORLD, MESH_TP = 8, 2
-FIT_BASE = 3  # the fit table's dry runs: 3 and 4 blocks of the real shape, scaled per block (distributed/fit.py)
-FIT_REFERENCE = Path(__file__).with_name("fit_reference.json")  # scripts/record_fit.py writes it
-
-
-def stored_fit() -> tuple[list, dict]:
-    """The fit table scripts/record_fit.py recorded: (RankMemory rows, what they were computed on)."""
-
-    record = json.loads(FIT_REFERENCE.read_text(encoding="utf-8"))
-    return from_records(record.pop("rows")), record
-
-
-@dataclasses.dataclass(frozen=True)
-class StatesFit:
-    """One N between a fit table's sizes, estimated: the model states by the exact rules at N, and the rest of the
-    peak (peak minus model states) held at its value where it was dry-run (bytes)."""
-
-    world_size: int
-    model_states: int
-    rest: int  # peak - model states of the dry-run row it was taken from
-
-    @property
-    def estimate(self) -> int:
-        return self.model_states + self.rest
-
-
-def states_fit(
-    fit: Sequence[RankMemory],
-    model: str = "70B",
-    label: str = "tp8 x fsdp2",
-    at: int = 1024,
-    world_sizes: Sequence[int] = (8, 16, 32, 64, 128, 256, 512, 1024),
-) -> list[StatesFit]:
-    """Between the sizes of a fit table (:func:`stored_fit`): ``model``'s rank under ``label`` at each of
-    ``world_sizes``, its model states by :func:`~anatomy_helpers.distributed.fit.states_rule` (exact at any N) plus
-    the rest of its peak as dry-run at N = ``at``. An estimate: the rest moves a little with N (compare the table's
-    rows), so a dry run at the N it names settles it."""
-    row = next(r for r in fit if (r.model, r.label, r.world_size) == (model, label, at))
-    rest = row.peak - row.model_states
-    return [StatesFit(n, sum(states_rule(SHAPES[model], row.strategy, n, row.tp).values()), rest) for n in world_sizes]
+# The 7B / 70B fit table, dry-run in the notebook at full depth (distributed/fit.py's periodic_rank): N = 8 and 1,024
+# for every strategy (FSDP2's bookkeeping grows with N: one FSDP2 rank of 4,096 takes about a minute of CPU), then
+# the 70B shape's TP = 8 x FSDP2 rank between them, where its first fit lies.
+FIT_SIZES = (8, 1024)
+FIT_BETWEEN = (16, 32, 64, 128)
 
 
 def mesh_comparison(rows: Sequence[WorldRow], model: dict = CONFIG, world_size: int = MESH_WORLD, tp: int = MESH_TP):

@@ -12,10 +12,13 @@ timeline samples: step, phase, module, allocation id, bytes, category, the alloc
 made a few rows after its allocation, how many), the phase marks, the saved tensors and the gradients' parameters.
 
 What it assumes, and checks. Each row's block index is written as its role (first block, last block, a block in
-between), so the rows of the blocks in between look alike. The rows at depth 4 must be those at depth 3 with
-chunks inserted at some places, and the rows at depth 5 those at depth 3 with each chunk inserted twice at the
-same places (where the alignments cut the same repeating rows at two nearby places, the span between them is
-searched for one place that fits both depths); every number of a row that is not inserted (module index,
+between), so the rows of the blocks in between look alike; an allocation a block's row frees or touches that its
+own or a neighbouring block made is named by that block's offset (-1, 0, +1: a rank's FSDP2 all-gathers and
+reduce-scatters belong to the next block, its input to the previous one). A storage alive before the step may grow
+by the same bytes per block (DDP's one bucket holds every block's gradients). The rows at depth 4 must be those
+at depth 3 with chunks inserted at some places, and the rows at depth 5 those at depth 3 with each chunk inserted
+twice at the same places (where the alignments cut the same repeating rows at two nearby places, the span between
+them is searched for one place that fits both depths); every number of a row that is not inserted (module index,
 allocation id, block index, sample index) must grow by the same step from depth 3 to 4 as from 4 to 5. Then the
 rows at depth L are those at depth 3 with L - 3 copies of each chunk, each number moved on by its own steps (per
 depth, and per copy as from the first copy inserted at depth 5 to the second: read there, not checked against a
@@ -87,9 +90,19 @@ def _named(role_name: str, block: int, blocks: str = COURSE_BLOCKS) -> str:
     return role_name[: match.start(2)] + str(block) + role_name[match.end(2) :]
 
 
-def _aligned(a: list, b: list, what: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+def _loose(row):
+    """A row with a baseline storage's bytes left out: a storage alive before the step may grow with depth (DDP's
+    one bucket holds every block's gradients); its bytes are then checked as a number (they must grow by one step
+    per block)."""
+    if isinstance(row, tuple) and len(row) == 9 and row[0] is True:  # an event row of a baseline storage
+        return row[:4] + (None,) + row[5:]
+    return tuple(map(_loose, row)) if isinstance(row, tuple) else row
+
+
+def _aligned(a: list, b: list, what: str, loose: bool = False) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """Align ``b`` to ``a`` (``b`` must be ``a`` with rows inserted): the index in ``b`` of each row of ``a``, and
-    the places rows were inserted, as (position in ``a``, how many)."""
+    the places rows were inserted, as (position in ``a``, how many). Rows that differ are aligned again with
+    baseline storages' bytes left out (:func:`_loose`)."""
     where = np.zeros(len(a), dtype=np.int64)
     runs = []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
@@ -97,6 +110,10 @@ def _aligned(a: list, b: list, what: str) -> tuple[np.ndarray, list[tuple[int, i
             where[i1:i2] = np.arange(j1, j2)
         elif tag == "insert":
             runs.append((i1, j2 - j1))
+        elif tag == "replace" and not loose:
+            sub, inserted = _aligned([_loose(r) for r in a[i1:i2]], [_loose(r) for r in b[j1:j2]], what, True)
+            where[i1:i2] = sub + j1
+            runs.extend((i1 + p, k) for p, k in inserted)
         else:
             raise NotPeriodic(f"the {what} of a deeper run are not the shallower run's with blocks inserted ({tag})")
     return where, runs
@@ -202,13 +219,22 @@ def _rows(tr: Trace, depth: int, blocks: str = COURSE_BLOCKS) -> dict[str, tuple
     back = np.arange(len(ids)) - born[np.searchsorted(np.unique(ids), ids)]
     back = np.where(back <= _NEAR, back, -1)
     cat, amod = tr.alloc_category[ids], tr.alloc_module[ids]
+    role_of = _patterns(blocks)[1]
+
+    def allocated_by(i: int):  # a neighbouring block's module as its offset (rows free the previous and next's)
+        (name, b), here = roles[amod[i]], roles[module[i]][1]
+        if b < 0 or here < 0 or abs(b - here) > 1:
+            return name
+        match = role_of.search(name)
+        return b - here, name[: match.start(2)] + "~" + name[match.end(2) :]
+
     seqs["events"] = (
         [
             (i < n0, int(step[i]), int(phase[i]), roles[module[i]][0], int(deltas[i]), int(cat[i]),
-             roles[amod[i]][0], bool(first[i]), int(back[i]))
+             allocated_by(i), bool(first[i]), int(back[i]))
             for i in range(len(ids))
         ],
-        list(zip(module.tolist(), ids.tolist(), amod.tolist())),
+        list(zip(module.tolist(), ids.tolist(), amod.tolist(), deltas.tolist())),
     )  # fmt: skip
     ev = seqs["events"][0]
 
@@ -249,7 +275,7 @@ def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float
     cols = {
         "time_ns": time_ns,
         "alloc_id": ids,
-        "delta": np.array([t[4] for t in toks], dtype=np.int64),
+        "delta": nums[:, 3],
         "step": np.array([t[1] for t in toks], dtype=np.int64),
         "phase": np.array([t[2] for t in toks], dtype=np.int64),
         "module": nums[:, 0],

@@ -238,6 +238,11 @@ class Trace:
         """One summary per (step, phase) run of samples, in time order."""
         return list(self._phases)
 
+    def before_last_optimizer_step(self) -> dict[str, int]:
+        """Bytes per category just before the last training step's optimizer phase (what a rank holds as its
+        model states: parameters, gradients, optimizer state)."""
+        return self.at(self.phase(self.training_steps()[-1], "optimizer").start - 1)
+
     def phase(self, step: int, phase: str) -> PhaseSummary:
         """The summary of ``phase`` in ``step`` (the first run of it, if the phase was entered twice)."""
         check_phase(phase)
