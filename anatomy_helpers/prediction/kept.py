@@ -264,8 +264,9 @@ def math_saving_core(cfg: ModelConfig, b: int, stop_at_v: bool = False) -> int:
 
     Alive throughout: a 16-bit model's fp32 casts of q, k, v, the scaled q, the scaled k^T (or its copy), the
     copies the matmuls make (:func:`math_copies`), the float causal mask (s^2, fp32). Then the largest of: the
-    product q k^T beside the scaled k^T it copied; that product beside the masked scores (the fake tensors' add is
-    out of place); the end, where the softmax (with dropout its noise and output) is saved, the weights cast back
+    product q k^T beside the scaled k^T it copied; that product beside the masked scores (the kernel adds the mask
+    out of place wherever a dispatch mode runs, the tracker's as the dry run's: aten's ``areAnyTensorSubclassLike``);
+    the end, where the softmax (with dropout its noise and output) is saved, the weights cast back
     to a 16-bit dtype, v's copy, the output and its cast back beside them. ``stop_at_v``: a recomputation that
     stops once the last tensor it needs is saved (checkpoint "attention": v or its copy), before the output."""
     e, s, N, h, ec = elt(cfg), cfg.seq_len, b * cfg.seq_len, cfg.d_model, core_elt(cfg)
