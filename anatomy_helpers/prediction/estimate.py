@@ -367,6 +367,10 @@ def _core_backward(cfg: ModelConfig, b: int) -> int:
     shared = head_views(cfg, b) and cfg.attn_impl == "manual" and not llama  # q's and k's views hold v's storage
     # beside the residual's gradient, the others in the core's dtype: a 16-bit model's math kernel casts y's to fp32
     paths = N * h * e + (grad_paths - 1) * N * h * ec
+    if cfg.checkpoint == "attention":  # v's storage stays where the matmul saved a view of the kept v
+        grouped = llama and cfg.kv_heads != cfg.n_head
+        copied = reshape_copies(cfg, b)[2] if cfg.attn_impl == "manual" else not (head_views(cfg, b) or grouped)
+        v_saved = v_saved if copied or ec != e else 0
     core_bwd = paths + scores + (0 if dropout else scores - (0 if shared else v_saved))
     return _mlp_done(cfg, b) + core_bwd
 
