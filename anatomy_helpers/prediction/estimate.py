@@ -284,15 +284,17 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         selective, terms = cfg.checkpoint == "selective", block_terms(cfg, b)
         recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if selective else 0
         inside = {"MLP": recomputed + mlp_bwd}
-        if llama or not selective:  # (GPT-2's recomputed GELU under "selective" peaks elsewhere)
-            # under "selective" with dropout the kept MLP out-projection output is gone (as at the MLP's moment)
-            inside["fc"] = recomputed + _mlp_input_backward(cfg, b) - (N * h * e if selective and cfg.dropout else 0)
-        if selective and materialised:  # the recomputed attention's end: the residual's gradient, the block's
-            # first half recomputed (its input kept) up to the residual dropout's output, the core's kept products
-            # gone once replayed; its matmuls' views of the kept qkv output counted once
+        # "selective" with dropout: the kept MLP out-projection output gone (as at the MLP's moment). GPT-2's fc there:
+        # GELU's output and gradient and the kept fc output freed, fc's gradients and GELU's input's made (dropout:
+        # its output freed, the out-proj's bias gradient made)
+        inside["fc"] = recomputed + _mlp_input_backward(cfg, b) - (N * h * e if selective and cfg.dropout else 0)
+        if selective and not llama:
+            inside["fc"] = inside["MLP"] - 2 * N * F * e + F * h * e + (h * e if cfg.dropout else N * h * e)
+        if selective and materialised:  # the recomputed attention's end: the block's first half recomputed (its
+            # input kept) to the residual dropout's output, the core's kept products gone once replayed; its matmuls'
+            # views of the kept qkv output counted once
             first_half = sum(v for k, v in terms.items() if k.startswith(("ln1", "attn")))
-            grouped = llama and cfg.kv_heads != cfg.n_head
-            views = head_views(cfg, b) and core_elt(cfg) == e and not grouped
+            views = head_views(cfg, b) and core_elt(cfg) == e and not (llama and cfg.kv_heads != cfg.n_head)
             kept = matmul_qkv(cfg, b) - matmul_qkv(cfg, b, without_v=True) if views else 0
             kept += (b * cfg.n_head * s * s + N * h) * core_elt(cfg)
             inside["attention"] = first_half + (N * h * e if cfg.dropout else 0) - kept
@@ -384,12 +386,10 @@ def _mlp_done(cfg: ModelConfig, b: int) -> int:
 
 
 def _math_rerun(cfg: ModelConfig, b: int) -> int:
-    """CPU sdpa's math kernel rerun with autograd saving in backward, at its peak, relative to its block with
-    everything it saves alive (bytes). In a recomputed segment: the residual's gradient, the block's first norm and
-    qkv recomputed, q, k, v and the kernel's own tensors (:func:`math_saving_core`), the rest of the block not made
-    yet. Under "attention": the MLP side done (:func:`_mlp_done`), the residual's gradient and y's (in the core's
-    dtype), q, k, v kept and the kernel's tensors up to the last it saves (v or its copy: the recomputation stops
-    there)."""
+    """CPU sdpa's math kernel rerun with autograd saving in backward, at its peak, relative to its block with all
+    it saves alive (bytes). In a segment: the residual's gradient, the first norm, qkv, q, k, v and the kernel's
+    tensors (:func:`math_saving_core`) recomputed. Under "attention": the MLP side done, the residual's and y's
+    gradients, the kernel's tensors up to the last it saves (v or its copy: the recomputation stops there)."""
     terms, N, h, e = block_terms(cfg, b), b * cfg.seq_len, cfg.d_model, elt(cfg)
     if cfg.checkpoint == "attention":
         return _mlp_done(cfg, b) + N * h * e + N * h * core_elt(cfg) + math_saving_core(cfg, b, stop_at_v=True)
