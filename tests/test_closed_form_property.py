@@ -103,6 +103,7 @@ def test_closed_form_equals_the_dry_run_on_random_configurations():
             refused.append(case)
         elif found:
             wrong.append(f"{case}: {found}")
+    print(f"seed {SEED}: {len(refused)} of {CASES} refused, {len(wrong)} wrong")  # shown by pytest -s
     assert not wrong, f"{len(wrong)} of {CASES} differ from the dry run:\n" + "\n".join(wrong[:10])
     assert len(refused) <= MAX_REFUSED * CASES, f"{len(refused)} of {CASES} refused, e.g. {refused[0]}"
     assert len(cases) - len(refused) >= (1 - MAX_REFUSED) * CASES  # most cases were compared, phase by phase

@@ -9,17 +9,16 @@ A phase's peak is the largest of a few named moments (:func:`forward_moments`, :
 loss, the last block's MLP and attention core (forward inside the core, checkpointed or not, and at a checkpointed
 attention's end; backward as the gradients arrive, at the MLP's out-projection and at its input projections), the
 first block's (where a block's parameters outweigh what it keeps) and its qkv projection, a recomputed segment (at
-its MLP or its attention core), the LM head's backward, Llama's final RMSNorm, and the embedding, where a tied
-embedding's gradient meets the LM head's.
+its MLP or its attention core, or inside CPU sdpa's math kernel rerun), the LM head's backward, Llama's final
+RMSNorm, and the embedding, where a tied embedding's gradient meets the LM head's.
 The per-block terms are what each module saves on CPU (:func:`block_terms`). Checked against what a real forward
 saved (saved.py) and against the dry run (which equals the measurement byte for byte) by tests/test_estimate.py;
 benchmarks/prediction_errors.py prints the error table of its sweep (step peaks equal to the byte), and against the
 dry run on seeded random configurations by tests/test_closed_form_property.py. Autocast and gradient accumulation
 are not modelled (:func:`estimate_step` refuses them), nor forward inside CPU sdpa's math kernel without
 checkpointing (refused where a bound says it may decide the peak: :func:`math_core_cap`), nor that kernel recomputed
-under "selective" (for a Llama block or a 16-bit model) or in a recomputed segment of a 16-bit grouped-query Llama
-block (both refused by name). Beside it,
-:func:`textbook_estimates` gives what the usual rules of thumb say.
+under "selective" (for a Llama block or a 16-bit model; refused by name). Beside it, :func:`textbook_estimates` gives
+what the usual rules of thumb say.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from .kept import (
     head_activation_bytes,
     head_views,
     layer_activation_bytes,
+    math_saving_core,
     math_sdpa,
     matmul_qkv,
     parameter_bytes,
@@ -238,6 +238,7 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
     * ``"last core"``: the last block's attention core (materialised), its MLP freed: the gradients of the
       scores and of the softmax (``b*a*s^2`` each), v's copy freed; recomputed first under "attention";
     * ``"segment"`` (full, every_k): a segment's blocks recomputed, the first segment with every later gradient;
+      ``"segment attention"``: inside CPU sdpa's math kernel, rerun with autograd saving (:func:`_math_rerun`);
     * ``"embedding"``: every gradient but the embedding's, then its own. A tied embedding's gradient is summed
       with the LM head's (autograd's ``InputBuffer::add``: both V x h and their sum alive at once); untied, the
       gradient of the embedding output (Nh) is alive beside it.
@@ -269,15 +270,34 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
         first -= segs[0] * block_parameter_bytes(cfg)
         # a segment recomputed (its input kept by the checkpoint), at its last block's MLP or attention core
         core = _core_backward(cfg, b) if materialised else None
-        for name, inside in (("segment", mlp_bwd), ("segment fc", _mlp_input_backward(cfg, b)), ("segment core", core)):
+        rerun = _math_rerun(cfg, b) if math_sdpa(cfg) else None
+        for name, inside in (
+            ("segment", mlp_bwd),
+            ("segment fc", _mlp_input_backward(cfg, b)),
+            ("segment core", core),
+            ("segment attention", rerun),
+        ):
             if inside is not None:
                 last = acts + head_grads + segs[-1] * none + inside - N * h * e
                 moments[name] = max(last, first + segs[0] * none + inside)
     else:
-        recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if cfg.checkpoint == "selective" else 0
+        selective, terms = cfg.checkpoint == "selective", block_terms(cfg, b)
+        recomputed = none - layer_activation_bytes(cfg, b) + N * h * e if selective else 0
         inside = {"MLP": recomputed + mlp_bwd}
-        if llama or cfg.checkpoint != "selective":  # (GPT-2's recomputed GELU under "selective" peaks elsewhere)
-            inside["fc"] = recomputed + _mlp_input_backward(cfg, b)
+        # "selective" with dropout: the kept MLP out-projection output gone (as at the MLP's moment). GPT-2's fc there:
+        # GELU's output and gradient and the kept fc output freed, fc's gradients and GELU's input's made (dropout:
+        # its output freed, the out-proj's bias gradient made)
+        inside["fc"] = recomputed + _mlp_input_backward(cfg, b) - (N * h * e if selective and cfg.dropout else 0)
+        if selective and not llama:
+            inside["fc"] = inside["MLP"] - 2 * N * F * e + F * h * e + (h * e if cfg.dropout else N * h * e)
+        if selective and materialised:  # the recomputed attention's end: the block's first half recomputed (its
+            # input kept) to the residual dropout's output, the core's kept products gone once replayed; its matmuls'
+            # views of the kept qkv output counted once
+            first_half = sum(v for k, v in terms.items() if k.startswith(("ln1", "attn")))
+            views = head_views(cfg, b) and core_elt(cfg) == e and not (llama and cfg.kv_heads != cfg.n_head)
+            kept = matmul_qkv(cfg, b) - matmul_qkv(cfg, b, without_v=True) if views else 0
+            kept += (b * cfg.n_head * s * s + N * h) * core_elt(cfg)
+            inside["attention"] = first_half + (N * h * e if cfg.dropout else 0) - kept
         if materialised:
             if cfg.checkpoint == "attention":  # the core recomputed, its copies of q, k, v too, but where its
                 # matmuls save views of the kept q, k, v: the manual core's uncopied ones (reshape_copies), the math
@@ -290,6 +310,8 @@ def backward_moments(cfg: ModelConfig, b: int) -> dict[str, int]:
                     kept = v_saved if (head_views(cfg, b) or grouped) and core_elt(cfg) == e else 0
                 terms = block_terms(cfg, b)
                 recomputed = terms["attn"] + terms["attn.attn_drop"] - kept
+                if math_sdpa(cfg):
+                    inside["attention"] = _math_rerun(cfg, b)
             inside["core"] = recomputed + _core_backward(cfg, b)
         # the first block's backward: every later block's activations freed, their gradients made (the peak where
         # a block's parameters outweigh what it keeps)
@@ -341,17 +363,38 @@ def _core_backward(cfg: ModelConfig, b: int) -> int:
     """
     e, s, h, a, N = elt(cfg), cfg.seq_len, cfg.d_model, cfg.n_head, b * cfg.seq_len
     ec, dropout, llama = core_elt(cfg), cfg.dropout > 0, cfg.block == "llama"
-    terms = block_terms(cfg, b)
-    mlp_done = sum(v for k, v in terms.items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.resid")))
-    grads = block_parameter_bytes(cfg) - _qkv_ln1_params(cfg)  # all but qkv's and ln1's
     scores = b * a * s * s * ec
     v_saved = matmul_qkv(cfg, b) - matmul_qkv(cfg, b, without_v=True)
     grad_paths = 2 + (dropout and cfg.checkpoint != "selective")
     shared = head_views(cfg, b) and cfg.attn_impl == "manual" and not llama  # q's and k's views hold v's storage
     # beside the residual's gradient, the others in the core's dtype: a 16-bit model's math kernel casts y's to fp32
     paths = N * h * e + (grad_paths - 1) * N * h * ec
+    if cfg.checkpoint == "attention":  # v's storage stays where the matmul saved a view of the kept v
+        grouped = llama and cfg.kv_heads != cfg.n_head
+        copied = reshape_copies(cfg, b)[2] if cfg.attn_impl == "manual" else not (head_views(cfg, b) or grouped)
+        v_saved = v_saved if copied or ec != e else 0
     core_bwd = paths + scores + (0 if dropout else scores - (0 if shared else v_saved))
-    return grads - mlp_done + core_bwd
+    return _mlp_done(cfg, b) + core_bwd
+
+
+def _mlp_done(cfg: ModelConfig, b: int) -> int:
+    """A block's MLP side done in backward, relative to the block with everything it saves alive (bytes): what
+    the MLP, the second norm and the out-projection saved freed, their gradients made (all but qkv's and ln1's)."""
+    terms = block_terms(cfg, b)
+    mlp_done = sum(v for k, v in terms.items() if k.startswith(("mlp", "ln2", "attn.proj", "attn.resid")))
+    return block_parameter_bytes(cfg) - _qkv_ln1_params(cfg) - mlp_done
+
+
+def _math_rerun(cfg: ModelConfig, b: int) -> int:
+    """CPU sdpa's math kernel rerun with autograd saving in backward, at its peak, relative to its block with all
+    it saves alive (bytes). In a segment: the residual's gradient, the first norm, qkv, q, k, v and the kernel's
+    tensors (:func:`math_saving_core`) recomputed. Under "attention": the MLP side done, the residual's and y's
+    gradients, the kernel's tensors up to the last it saves (v or its copy: the recomputation stops there)."""
+    terms, N, h, e = block_terms(cfg, b), b * cfg.seq_len, cfg.d_model, elt(cfg)
+    if cfg.checkpoint == "attention":
+        return _mlp_done(cfg, b) + N * h * e + N * h * core_elt(cfg) + math_saving_core(cfg, b, stop_at_v=True)
+    made = terms["ln1"] + terms["attn.qkv"] + qkv_storages(cfg, N) + math_saving_core(cfg, b)
+    return N * h * e + made - layer_activation_bytes(cfg, b, "none")
 
 
 def _qkv_ln1_params(cfg: ModelConfig) -> int:
@@ -379,8 +422,8 @@ def estimate_step(
     Autocast and gradient accumulation are not modelled (autocast's casts and saved dtypes follow per-op rules; a
     second micro-batch adds a gradient sum per parameter): they are refused with a ValueError, and the dry run
     (``dryrun.dry_run_config``) measures them instead. So is a shape where forward inside CPU sdpa's math kernel,
-    without checkpointing, may decide the peak (:func:`math_core_cap`), and that kernel recomputed: under
-    "selective" for a Llama block or a 16-bit model, under "full" or "every_k" for a 16-bit grouped-query Llama block.
+    without checkpointing, may decide the peak (:func:`math_core_cap`), and that kernel recomputed under
+    "selective" for a Llama block or a 16-bit model.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
@@ -406,14 +449,6 @@ def estimate_step(
             f"({'a Llama block' if cfg.block == 'llama' else 'a 16-bit model, its fp32 casts'}): the recomputation "
             "replays the kernel's saved matmul outputs but makes its casts, scaled q and k^T, mask, softmax and "
             "dropout again beside them; dry-run it instead (dryrun.dry_run_config)"
-        )
-    grouped = cfg.block == "llama" and cfg.kv_heads != cfg.n_head
-    if cfg.checkpoint in ("full", "every_k") and math_sdpa(cfg) and core_elt(cfg) != elt(cfg) and grouped:
-        raise ValueError(
-            f"estimate_step does not model CPU sdpa's math kernel recomputed under checkpoint={cfg.checkpoint!r} "
-            "with grouped-query attention in a 16-bit model: rerun with autograd saving, its fp32 casts of the "
-            "contiguous key/value repeats and its weights cast back may decide backward's peak; dry-run it instead "
-            "(dryrun.dry_run_config)"
         )
     cap, modelled = math_core_cap(cfg, batch_size), max(forward_moments(cfg, batch_size).values())
     if cap is not None and cap > modelled:

@@ -226,20 +226,53 @@ def core_transients(cfg: ModelConfig, b: int, scores_kept: bool = False) -> int:
     S, dropout = b * cfg.n_head * s * s * ec, cfg.dropout > 0
     kept = S if scores_kept else 0
     if cfg.attn_impl == "sdpa":
-        casts = 3 * N * h * ec if ec != e else 0
-        copies = 3 * N * h * ec if not head_views(cfg, b) or ec != e else 2 * N * h * e
-        # grouped-query: k and v are contiguous repeats (so are their casts), reshaped as views; only the scaled k^T
-        # is new, and the scaled q's copy where the rotary q is strided (head width 2)
-        grouped = not head_views(cfg, b) and cfg.block == "llama" and cfg.kv_heads != cfg.n_head
-        strided_q = N * h * ec if grouped and cfg.head_dim == 2 and s > 1 else 0
-        if ec == e and grouped:
-            copies = N * h * ec + strided_q
-        end = 0  # the weights beside the output: never above the scores beside the copies
-        if ec != e and (head_views(cfg, b) or grouped):  # the fp32 casts reshaped as views: only the scaled k^T new
-            copies = N * h * ec + strided_q
-            end = S + S * e // ec + N * h * ec + N * h * e  # the weights and the output, each also cast back
-        return casts + N * h * ec + 4 * s * s + max(copies + S, kept + (3 if dropout else 2) * S, kept + end)
+        one, cast = N * h * ec, ec != e
+        q, k, v = math_copies(cfg, b)
+        held = (3 * one if cast else 0) + one + 4 * s * s  # the casts, the scaled q, the float mask
+        # the product beside the scaled k^T and the copies its matmul made; the weights (a 16-bit model's also cast
+        # back) beside the output and v's copy, then beside the output and its cast back
+        end = S + (S * e // ec if cast else 0) + one + max(v, N * h * e if cast else 0)
+        return held + max(one + q + k + S, kept + (3 if dropout else 2) * S, kept + end)
     q, k, v = reshape_copies(cfg, b)
     y = N * h * e  # the output of att @ v, then its contiguous copy beside it (none with one head)
     end = max(S + v + y, (2 if cfg.n_head > 1 else 1) * y)
     return max(q + k + S, kept + (3 * S if dropout else 2 * S + s * s), kept + end)
+
+
+def math_copies(cfg: ModelConfig, b: int) -> tuple[int, int, int]:
+    """Bytes of the copies CPU sdpa's math kernel makes to reshape its scaled q, scaled k^T and v to (B*a, s, D).
+
+    Like :func:`reshape_copies`, but of the kernel's own tensors: the scaled q and k^T are new and dense in q's and
+    k's memory order, and so are a 16-bit model's fp32 casts (v's too); float32 v is the model's own view. A
+    tensor whose heads are laid out positions-first (GPT-2's q, k, v, Llama's v before any repeat) merges batch and
+    heads as a view only at one position, where dense strides are contiguous ones; the strided float32 view of
+    the qkv output never does. Views everywhere at :func:`head_views`."""
+    one = b * cfg.seq_len * cfg.d_model * core_elt(cfg)
+    if head_views(cfg, b):
+        return 0, 0, 0
+    single, cast = cfg.seq_len == 1, core_elt(cfg) != elt(cfg)
+    v = 0 if single and cast else one
+    if cfg.block != "llama":
+        return (0 if single else one), (0 if single else one), v
+    narrow, grouped = cfg.head_dim == 2 and cfg.seq_len > 1, cfg.kv_heads != cfg.n_head
+    return (one if narrow else 0), (one if narrow and not grouped else 0), (0 if grouped else v)
+
+
+def math_saving_core(cfg: ModelConfig, b: int, stop_at_v: bool = False) -> int:
+    """The peak of CPU sdpa's math kernel run with autograd saving (a segment recomputed in backward), beyond q,
+    k, v's storages (bytes); ``_scaled_dot_product_attention_math`` in aten's transformers/attention.cpp.
+
+    Alive throughout: a 16-bit model's fp32 casts of q, k, v, the scaled q, the scaled k^T (or its copy), the
+    copies the matmuls make (:func:`math_copies`), the float causal mask (s^2, fp32). Then the largest of: the
+    product q k^T beside the scaled k^T it copied; that product beside the masked scores (the kernel adds the mask
+    out of place wherever a dispatch mode runs, the tracker's as the dry run's: aten's ``areAnyTensorSubclassLike``);
+    the end, where the softmax (with dropout its noise and output) is saved, the weights cast back
+    to a 16-bit dtype, v's copy, the output and its cast back beside them. ``stop_at_v``: a recomputation that
+    stops once the last tensor it needs is saved (checkpoint "attention": v or its copy), before the output."""
+    e, s, N, h, ec = elt(cfg), cfg.seq_len, b * cfg.seq_len, cfg.d_model, core_elt(cfg)
+    one, S, cast = N * h * ec, b * cfg.n_head * s * s * ec, ec != e
+    q, k, v = math_copies(cfg, b)
+    held = (3 * one if cast else 0) + 2 * one + q + 4 * s * s  # the scaled k^T, or its copy once it is freed
+    end = (3 if cfg.dropout > 0 else 1) * S + (S * e // ec if cast else 0) + v
+    end += 0 if stop_at_v else one + (N * h * e if cast else 0)  # the output, and its cast back
+    return held + max(S + k, 2 * S, end)
