@@ -34,21 +34,19 @@ from .hf_fixes import layers_of
 from .hf_step import FineTune, dry_run_hf
 from .periodic import DEPTHS, NotPeriodic, periodic_trace
 
-#: Configuration fields that make some layers differ from the others (field -> what its value does), where a value
-#: other than the field's "every layer alike" one is set: refused by name (:func:`refused_before_hf`).
+#: Configuration fields that make some layers differ from the others: field -> (its values with which every layer
+#: is alike, what another value does). Another value is refused by name (:func:`refused_before_hf`).
 LAYER_PATTERN_FIELDS = {
-    "first_k_dense_replace": "the first k layers dense, the rest mixture of experts (DeepSeek)",
-    "decoder_sparse_step": "mixture of experts every k-th layer (Qwen-MoE)",
-    "mlp_only_layers": "dense layers listed by index among mixture-of-experts ones (Qwen-MoE)",
-    "moe_layer_freq": "mixture of experts every k-th layer (DeepSeek)",
-    "interleave_moe_layer_step": "mixture of experts every k-th layer (Llama 4)",
-    "sliding_window_pattern": "a sliding window in all but every k-th layer (Gemma 3)",
-    "attn_layer_period": "attention every k-th layer, the others state-space (Jamba)",
-    "expert_layer_period": "mixture of experts every k-th layer (Jamba)",
-    "num_kv_shared_layers": "the last layers sharing earlier layers' keys and values (Gemma 3n)",
+    "first_k_dense_replace": ((None, 0), "the first k layers dense, the rest mixture of experts (DeepSeek)"),
+    "decoder_sparse_step": ((None, 1), "mixture of experts every k-th layer (Qwen-MoE)"),
+    "mlp_only_layers": ((None, []), "dense layers listed by index among mixture-of-experts ones (Qwen-MoE)"),
+    "moe_layer_freq": ((None, 1), "mixture of experts every k-th layer (DeepSeek)"),
+    "interleave_moe_layer_step": ((None, 1), "mixture of experts every k-th layer (Llama 4)"),
+    "sliding_window_pattern": ((None, 1), "a sliding window in all but every k-th layer (Gemma 3)"),
+    "attn_layer_period": ((None, 1), "attention every k-th layer, the others state-space (Jamba)"),
+    "expert_layer_period": ((None, 1), "mixture of experts every k-th layer (Jamba)"),
+    "num_kv_shared_layers": ((None, 0), "the last layers sharing earlier layers' keys and values (Gemma 3n)"),
 }
-#: The value of a field of LAYER_PATTERN_FIELDS with which every layer is alike.
-_ALIKE = (None, 0, 1, [], (), False)
 
 
 def block_list(cfg, ft: FineTune) -> str | None:
@@ -103,9 +101,9 @@ def refused_before_hf(cfg, ft: FineTune, path: str | None = "") -> str | None:
             kinds = list(dict.fromkeys(map(str, value)))
             if len(kinds) > 1:
                 return f"its layers differ: {name} gives them {', '.join(kinds)}"
-    for name, what in LAYER_PATTERN_FIELDS.items():
-        value = fields.get(name)
-        if value not in _ALIKE:
+    for name, (alike, what) in LAYER_PATTERN_FIELDS.items():
+        value = getattr(cfg, name, None)
+        if value not in alike and not (isinstance(value, tuple) and list(value) in alike):
             return f"its layers differ: {name}={value!r}, {what}"
     if fields.get("use_sliding_window") and (fields.get("max_window_layers") or depth) < depth:
         return f"its layers differ: max_window_layers={fields['max_window_layers']} of {depth} use the sliding window"
