@@ -15,9 +15,7 @@ What it assumes, and checks. Each row's block index is written as its role (firs
 between), so the rows of the blocks in between look alike. The rows at depth 4 must be those at depth 3 with
 chunks inserted at some places, and the rows at depth 5 those at depth 3 with each chunk inserted twice at the
 same places (where the alignments cut the same repeating rows at two nearby places, the span between them is
-searched for one place that fits both depths; rows inserted at one place may be two runs of each block, all the
-blocks' first runs before their second ones, as an optimizer's first step makes every parameter's state, then
-every parameter's temporaries); every number of a row that is not inserted (module index,
+searched for one place that fits both depths); every number of a row that is not inserted (module index,
 allocation id, block index, sample index) must grow by the same step from depth 3 to 4 as from 4 to 5. Then the
 rows at depth L are those at depth 3 with L - 3 copies of each chunk, each number moved on by its own steps (per
 depth, and per copy as from the first copy inserted at depth 5 to the second: read there, not checked against a
@@ -162,8 +160,9 @@ def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) ->
         if k <= 0 or len(r2) - len(r0) != 2 * k:
             raise NotPeriodic(f"the {what} do not gain the same rows per block from depth to depth")
         # where, in the shallowest run's rows, the block's rows go (x), and where they split in two (y): rows
-        # inserted at one place may be two runs of each block, every block's first run before every second one
-        # (y = k: one run; the others are tried only where no single run fits)
+        # inserted at one place may be two runs of each block, every block's first run before every second one, as
+        # an optimizer's first step makes every parameter's state, then every parameter's temporaries (y = k: one
+        # run; the others are tried only where no single run fits)
         places = itertools.chain(
             ((x, k) for x in range(len(r0) + 1)), ((x, y) for x in range(len(r0) + 1) for y in range(1, k))
         )
