@@ -82,3 +82,31 @@ def test_a_model_of_five_layers_or_fewer_is_dry_run_in_full():
 
 def test_the_line_a_report_prints():
     assert dry_run_line(32, None) == "dry run: 3, 4, 5 layers, extended to 32 (the same bytes as a full dry run)"
+
+
+def test_predict_hf_says_how_its_dry_run_was_made(tmp_path, capsys):
+    """will_it_fit_hf on one device builds its dry run from 3, 4 and 5 layers: the same numbers as from the full
+    dry run, and one line of the report (so of ``predict --hf``) says which was made."""
+    from anatomy_helpers.cli.main import main
+    from anatomy_helpers.distributed.hf_fit import will_it_fit_hf
+
+    tiny_config("llama-3.2-1b", layers=6).to_json_file(tmp_path / "config.json")
+    # what the options below make: LoRA on a T4 (the default GPU) runs fp16 autocast over an fp16 base
+    ft = FineTune(**{**LORA_T4, "batch_size": 2})
+    report = will_it_fit_hf(str(tmp_path), ft, "t4")
+    line = "dry run: 3, 4, 5 layers, extended to 6 (the same bytes as a full dry run)"
+    assert line in report.note.splitlines()
+    full = will_it_fit_hf(str(tmp_path), ft, "t4", trace=dry_run_hf(tmp_path / "config.json", ft))
+    assert report.phases == full.phases and report.peak == full.peak and report.fits == full.fits
+    args = ["predict", "--hf", str(tmp_path), "--seq-len", "16", "--batch-size", "2", "--lora-rank", "4"]
+    assert main(args) == 0
+    assert line in capsys.readouterr().out.splitlines()
+
+
+def test_foreach_adamw_of_a_full_fine_tune_falls_back():
+    """Not yet periodic: foreach AdamW's first step frees its temporaries in an order the alignment does not cut
+    into the same places at depths 4 and 5; periodic_trace's checks refuse it, and the full dry run is made."""
+    cfg, ft = tiny_config("llama-3.2-1b", layers=6), FineTune(foreach=True)
+    trace, why = periodic_dry_run_hf(cfg, ft)
+    assert why == "the events do not gain the same rows per block from depth to depth"
+    assert trace_differences(trace, dry_run_hf(cfg, ft)) == []
