@@ -1,18 +1,16 @@
 """periodic_dry_run_hf: a Hugging Face fine-tune's dry run at full depth, built from dry runs at 3, 4 and 5 layers,
 equals the full-depth dry run byte for byte; where the layers differ it makes the full one and says why."""
 
+import json
+
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from anatomy_helpers.prediction.fit import FULL_DRY_RUN_ENV, dry_run_text  # noqa: E402
 from anatomy_helpers.prediction.hf import tiny_config  # noqa: E402
-from anatomy_helpers.prediction.hf_periodic import (  # noqa: E402
-    block_list,
-    dry_run_line,
-    periodic_dry_run_hf,
-    refused_before_hf,
-)
+from anatomy_helpers.prediction.hf_periodic import block_list, periodic_dry_run_hf, refused_before_hf  # noqa: E402
 from anatomy_helpers.prediction.hf_step import FineTune, dry_run_hf  # noqa: E402
 from anatomy_helpers.prediction.periodic import trace_differences  # noqa: E402
 
@@ -48,7 +46,7 @@ def test_layers_that_differ_fall_back_to_the_full_dry_run():
     trace, why = periodic_dry_run_hf(cfg, ft)
     assert why == "its layers differ: layer_types gives them sliding_attention, full_attention"
     assert "model.layers.5" in trace.timeline.module_names  # the full depth's trace
-    assert dry_run_line(cfg.num_hidden_layers, why) == f"dry run: full depth ({why})"
+    assert dry_run_text(cfg.num_hidden_layers, why) == f"full depth ({why})"
 
 
 def test_what_is_refused_by_name_before_any_run():
@@ -80,8 +78,11 @@ def test_a_model_of_five_layers_or_fewer_is_dry_run_in_full():
     assert trace_differences(trace, dry_run_hf(cfg, FineTune())) == []
 
 
-def test_the_line_a_report_prints():
-    assert dry_run_line(32, None) == "dry run: 3, 4, 5 layers, extended to 32 (the same bytes as a full dry run)"
+def test_the_environment_asks_for_the_full_dry_run(monkeypatch):
+    monkeypatch.setenv(FULL_DRY_RUN_ENV, "1")
+    cfg = tiny_config("llama-3.2-1b", layers=6)
+    trace, why = periodic_dry_run_hf(cfg, FineTune())
+    assert why == f"{FULL_DRY_RUN_ENV}=1 asks for it" and "model.layers.5" in trace.timeline.module_names
 
 
 def test_predict_hf_says_how_its_dry_run_was_made(tmp_path, capsys):
@@ -94,13 +95,15 @@ def test_predict_hf_says_how_its_dry_run_was_made(tmp_path, capsys):
     # what the options below make: LoRA on a T4 (the default GPU) runs fp16 autocast over an fp16 base
     ft = FineTune(**{**LORA_T4, "batch_size": 2})
     report = will_it_fit_hf(str(tmp_path), ft, "t4")
-    line = "dry run: 3, 4, 5 layers, extended to 6 (the same bytes as a full dry run)"
-    assert line in report.note.splitlines()
+    assert report.dry_run == "depths 3, 4, 5, extended to 6 blocks (exact: the same bytes as a full dry run)"
     full = will_it_fit_hf(str(tmp_path), ft, "t4", trace=dry_run_hf(tmp_path / "config.json", ft))
     assert report.phases == full.phases and report.peak == full.peak and report.fits == full.fits
+    assert full.dry_run == ""  # a trace given: its maker says how it was made
     args = ["predict", "--hf", str(tmp_path), "--seq-len", "16", "--batch-size", "2", "--lora-rank", "4"]
     assert main(args) == 0
-    assert line in capsys.readouterr().out.splitlines()
+    assert f"dry run: {report.dry_run}" in capsys.readouterr().out.splitlines()
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dry_run"] == report.dry_run
 
 
 def test_rows_that_do_not_repeat_fall_back_to_the_full_dry_run():

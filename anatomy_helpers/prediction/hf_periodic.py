@@ -15,8 +15,9 @@ attention alternating), a field that makes every k-th layer or the first k diffe
 mixture of experts every k layers, the first k layers dense, a sliding window from some layer on), and a
 fine-tune that names particular layers (a ``freeze`` prefix or a LoRA target inside the list of layers). What
 differs within the shallow runs is found by periodic_trace's checks (NotPeriodic), and the full dry run made.
-Depth 5 or less: the full dry run (nothing to save). A shallow dry run that is refused (DryRunError, ValueError)
-is not taken as the full one's answer: the full dry run is made, and answers or refuses for itself.
+Depth 5 or less, or ``ANATOMY_FULL_DRY_RUN=1`` (fit.FULL_DRY_RUN_ENV, as for the course GPT): the full dry run.
+A shallow dry run that is refused (DryRunError, ValueError) is not taken as the full one's answer: the full dry
+run is made, and answers or refuses for itself.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn as nn
 
 from ..tracking.trace import Trace
 from .dryrun import DryRunError
+from .fit import FULL_DRY_RUN_ENV, full_dry_run_asked
 from .hf import build_model, hf_config
 from .hf_fixes import layers_of
 from .hf_step import FineTune, dry_run_hf
@@ -115,15 +117,15 @@ def refused_before_hf(cfg, ft: FineTune, path: str | None = "") -> str | None:
 
 def periodic_dry_run_hf(cfg, ft: FineTune | None = None, steps: int = 2) -> tuple[Trace, str | None]:
     """``dry_run_hf(cfg, ft, steps)``'s Trace, built from its dry runs at 3, 4 and 5 decoder layers (see the
-    module's docstring); and None, or why the full dry run was made instead. ``cfg``: anything hf.hf_config takes;
-    ``ft``: default ``FineTune()``.
+    module's docstring); and None, or why the full dry run was made instead (fit.dry_run_text says either in
+    words). ``cfg``: anything hf.hf_config takes; ``ft``: default ``FineTune()``.
 
     The timeline (samples' steps, phases, modules, bytes per category), the allocations, phase marks, saved
     tensors and gradients equal the full dry run's; the wall times do not (they are spread evenly).
     """
     cfg, ft = hf_config(cfg), FineTune() if ft is None else ft
     started = time.perf_counter()
-    why = refused_before_hf(cfg, ft)
+    why = f"{FULL_DRY_RUN_ENV}=1 asks for it" if full_dry_run_asked() else refused_before_hf(cfg, ft)
     if why is None:  # the model built (3 layers, meta) only where the configuration leaves the period possible
         try:
             path = block_list(cfg, ft)
@@ -140,12 +142,3 @@ def periodic_dry_run_hf(cfg, ft: FineTune | None = None, steps: int = 2) -> tupl
         except (DryRunError, ValueError) as e:
             why = f"a shallow dry run was refused ({str(e).splitlines()[0]})"
     return dry_run_hf(cfg, ft, steps), why
-
-
-def dry_run_line(depth: int, why: str | None) -> str:
-    """The one line a report says of how its dry run was made: ``why`` as :func:`periodic_dry_run_hf` returns it,
-    ``depth``: the model's decoder layers."""
-    if why is None:
-        depths = ", ".join(map(str, DEPTHS))
-        return f"dry run: {depths} layers, extended to {depth} (the same bytes as a full dry run)"
-    return f"dry run: full depth ({why})"
