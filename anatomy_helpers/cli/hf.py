@@ -127,6 +127,10 @@ def hf_predict_main(argv: list[str]) -> int:
         extra["one_device_fits"] = search.one_device
         more = search.more_gpus
         extra["more_gpus"] = None if more is None else {"setup": more.name, "peak_bytes": more.report.peak.tensors}
+    if report.dry_run:  # which dry run answered (prediction/hf_periodic.py): before the answer, and in the JSON
+        extra["dry_run"] = report.dry_run
+        if not args.json:
+            print(f"dry run: {report.dry_run}")
     print_fit(
         report,
         fixes,

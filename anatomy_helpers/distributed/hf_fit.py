@@ -30,17 +30,17 @@ import torch.nn as nn
 from ..core.checks import one_of, positive_int
 from ..prediction.devices import DEFAULT_GPU
 from ..prediction.dryrun import DryRunError, check_ops
-from ..prediction.fit import precision_note, trace_fit_report
+from ..prediction.fit import dry_run_text, precision_note, trace_fit_report
 from ..prediction.fit_report import FitReport, size_text
 from ..prediction.hf import hf_config
 from ..prediction.hf_cuda_rules import hf_cuda_rules
 from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf, hf_assumptions
 from ..prediction.hf_fixes import hf_step_flops, layers_of
+from ..prediction.hf_periodic import periodic_dry_run_hf
 from ..prediction.hf_step import (
     FineTune,
     check_dry_runnable,
     check_positions,
-    dry_run_hf,
     fake_run,
     hf_batch,
     hf_dry_run,
@@ -195,7 +195,9 @@ def will_it_fit_hf(
     """Will ``fine_tune`` (default ``FineTune()``) of ``model`` fit on ``device``, on one device or per rank:
     ``world_size > 1`` is data parallelism under ZeRO stage ``zero`` (0: DDP, the default; 1, 2, 3), each rank
     running ``fine_tune`` on its own batch; the report is rank 0's, from :func:`dry_run_hf_rank`. With
-    ``world_size == 1``: prediction/hf_fit.py's one-device report. ``trace``: the dry run (of that rank), if made.
+    ``world_size == 1``: prediction/hf_fit.py's one-device report, its dry run built from 3, 4 and 5 layers where the
+    layers repeat (prediction/hf_periodic.py; the report's ``dry_run`` says which). ``trace``: the dry run (of
+    that rank), if made.
     The report's note names the precision recipe and its bytes per parameter (prediction/recipes.py), ``why`` it
     was chosen (recipes.device_recipe's reason), and warns of bf16 asked for on a GPU without native bf16.
     """
@@ -204,12 +206,17 @@ def will_it_fit_hf(
     label = describe_hf(cfg, fine_tune, model if isinstance(model, str) else None)
     notes = [recipe_of(fine_tune).text(), why, precision_note(fine_tune.dtype, fine_tune.autocast, dev)]
     if world_size == 1:
-        trace = dry_run_hf(cfg, fine_tune, steps=2) if trace is None else trace
+        which = ""  # which dry run answered (FitReport.dry_run): said where it is made here
+        if trace is None:  # built from 3, 4 and 5 layers where the layers repeat (the same bytes)
+            trace, full_why = periodic_dry_run_hf(cfg, fine_tune, steps=2)
+            which = dry_run_text(cfg.num_hidden_layers, full_why)
         note = "\n".join(filter(None, notes))
         if dev.capability is None:  # a size alone: the CPU kernels' rules
-            return trace_fit_report(trace, label, dev, note, HF_RULES, hf_assumptions(fine_tune))
-        corrections, rules = hf_cuda_rules(trace, cfg, fine_tune, dev)  # CUDA's, applied or named
-        return trace_fit_report(trace, label, dev, note, rules, hf_assumptions(fine_tune), corrections)
+            report = trace_fit_report(trace, label, dev, note, HF_RULES, hf_assumptions(fine_tune))
+        else:
+            corrections, rules = hf_cuda_rules(trace, cfg, fine_tune, dev)  # CUDA's, applied or named
+            report = trace_fit_report(trace, label, dev, note, rules, hf_assumptions(fine_tune), corrections)
+        return dataclasses.replace(report, dry_run=which)
     stage = zero or 0
     trace = dry_run_hf_rank(cfg, fine_tune, world_size, stage).result.trace if trace is None else trace
     notes.append(rank_note(trace, world_size, stage))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import re
 import time
 from collections.abc import Callable
@@ -175,20 +176,30 @@ def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) ->
         k = len(r1) - len(r0)
         if k <= 0 or len(r2) - len(r0) != 2 * k:
             raise NotPeriodic(f"the {what} do not gain the same rows per block from depth to depth")
-        for x in range(len(r0) + 1):  # where, in the shallowest run's rows, the block's rows go
+        # where, in the shallowest run's rows, the block's rows go (x), and where they split in two (y): rows
+        # inserted at one place may be two runs of each block, every block's first run before every second one, as
+        # an optimizer's first step makes every parameter's state, then every parameter's temporaries (y = k: one
+        # run; the others are tried only where no single run fits)
+        places = itertools.chain(
+            ((x, k) for x in range(len(r0) + 1)), ((x, y) for x in range(len(r0) + 1) for y in range(1, k))
+        )
+        for x, y in places:
             chunk = r1[x : x + k]
-            if r1 != r0[:x] + chunk + r0[x:] or r2 != r0[:x] + chunk * 2 + r0[x:]:
+            if r1 != r0[:x] + chunk + r0[x:] or r2 != r0[:x] + chunk[:y] * 2 + chunk[y:] * 2 + r0[x:]:
                 continue
             head = (q0[:x], q1[:x], q2[:x])
             tail = (q0[x:], q1[x + k :], q2[x + 2 * k :])
             if not all(np.array_equal(b - a, c - b) for a, b, c in (head, tail)):
                 continue
-            c, p, q = q1[x : x + k], q2[x : x + k], q2[x + k : x + 2 * k]
+            c = q1[x : x + k]
+            p = np.concatenate([q2[x : x + y], q2[x + 2 * y : x + y + k]])  # depth 5's first copy of each run
+            q = np.concatenate([q2[x + y : x + 2 * y], q2[x + y + k : x + 2 * k]])  # and its second
             out_t.extend(r0[:x])
             out_n.append(head[0] + m * (head[1] - head[0]))
-            for j in range(m):  # copy j of the block's rows: moved on per depth and per copy
-                out_t.extend(chunk)
-                out_n.append(c + (m - 1) * (p - c) + j * (q - p))
+            for part in (slice(0, y), slice(y, k)):
+                for j in range(m):  # copy j of the block's rows: moved on per depth and per copy
+                    out_t.extend(chunk[part])
+                    out_n.append((c + (m - 1) * (p - c) + j * (q - p))[part])
             out_t.extend(r0[x:])
             out_n.append(tail[0] + m * (tail[1] - tail[0]))
             break
