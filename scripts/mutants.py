@@ -595,11 +595,14 @@ MUTANTS = [
         ("tests/test_mesh2d.py::test_the_rules_at_large_n_equal_the_shapes",),
     ),
     Mutant(
-        "fit.one-block-short",
-        "distributed/fit.py",
-        "return a + (layers - base) * (b - a)",
-        "return a + (layers - base - 1) * (b - a)",
-        ("tests/test_mesh2d.py::test_per_block_scaling_equals_the_full_dry_run",),
+        "periodic.one-block-short",
+        "prediction/periodic.py",
+        "                for j in range(m):  # copy j",
+        "                for j in range(m - 1):  # copy j",
+        (
+            "tests/test_periodic.py::test_periodic_at_twelve_layers",
+            "tests/test_periodic_ranks.py::test_periodic_rank_equals_the_full_dry_run",
+        ),
     ),
     # ---- the one step against torch's recipes (tests/test_step_contracts.py)
     Mutant(
