@@ -22,7 +22,8 @@ from ..prediction.devices import DEFAULT_GPU
 from ..prediction.formulas import korthikanti_layer_bytes
 from ..prediction.hf import hf_config, meta_parameters, tiny_config
 from ..prediction.hf_fit import MODEL_STATES
-from ..prediction.hf_step import FineTune, dry_run_hf, make_hf_model
+from ..prediction.hf_periodic import periodic_dry_run_hf
+from ..prediction.hf_step import FineTune, make_hf_model
 from ..prediction.saved import first_savers, saved_rows
 from ..tracking.events import CATEGORIES
 from ..tracking.trace import Trace
@@ -311,17 +312,19 @@ KEEP = 32
 
 
 def dry_run(model, ft: FineTune, world_size: int = 1, zero: int = 0) -> Trace:
-    """``dry_run_hf(model, ft, steps=2)`` (``world_size > 1``: rank 0's under ZeRO stage ``zero``,
+    """``dry_run_hf(model, ft, steps=2)``'s Trace (``world_size > 1``: rank 0's under ZeRO stage ``zero``,
     distributed/hf_fit.dry_run_hf_rank), made once per kernel for each configuration and fine-tune: the lesson's
     cells and its panel share them, so moving a control back to a value already seen replays that dry run
-    instead of making it again. ``model``: anything hf.hf_config takes."""
+    instead of making it again. ``model``: anything hf.hf_config takes. On one device it is built from dry runs
+    at 3, 4 and 5 layers where the layers repeat (prediction/hf_periodic.py: the same bytes, saved tensors and
+    phases as the full-depth dry run; only its wall times are spread evenly, and nothing here reads them)."""
     cfg = hf_config(model)
     key = (cfg.to_json_string(), ft, world_size, zero if world_size > 1 else 0)
     if key not in _DRY_RUNS:
         if len(_DRY_RUNS) >= KEEP:
             del _DRY_RUNS[next(iter(_DRY_RUNS))]  # the oldest
         if world_size == 1:
-            _DRY_RUNS[key] = dry_run_hf(cfg, ft, steps=2)
+            _DRY_RUNS[key] = periodic_dry_run_hf(cfg, ft, steps=2)[0]
         else:
             _DRY_RUNS[key] = dry_run_hf_rank(cfg, ft, world_size, zero).result.trace
     return _DRY_RUNS[key]
