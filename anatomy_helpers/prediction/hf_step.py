@@ -131,22 +131,30 @@ def _not_the_bnb_kernel_note(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
 
 
-def _import_peft():
-    """``peft``, or an ImportError saying how to install it. peft imports bitsandbytes where it is installed,
-    which on a CPU with AVX-512 BF16 logs that its optional 4-bit kernel package (``kernels``) is missing, through
-    a logger with no handler, so to stderr; and imports torch.utils.mkldnn, whose ``torch.jit.script_method``
-    warns that it is deprecated. Those messages alone are dropped while peft is imported (LoRA here quantizes
-    nothing); every other message of that logger, and every other warning, passes."""
+@contextlib.contextmanager
+def _bitsandbytes_quiet():
+    """While peft runs: peft imports bitsandbytes where it is installed (peft 0.21 at its own import, 0.22 when
+    ``get_peft_model`` first makes an adapter), which on a CPU with AVX-512 BF16 logs that its optional 4-bit kernel
+    package (``kernels``) is missing, through a logger with no handler, so to stderr; and imports
+    torch.utils.mkldnn, whose ``torch.jit.script_method`` warns that it is deprecated. Those messages alone are
+    dropped (LoRA here quantizes nothing); every other message of that logger, and every other warning, passes."""
     log = logging.getLogger("bitsandbytes.backends.cpu.ops")
     log.addFilter(_not_the_bnb_kernel_note)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+            yield
+    finally:
+        log.removeFilter(_not_the_bnb_kernel_note)
+
+
+def _import_peft():
+    """``peft``, or an ImportError saying how to install it (imported quietly: :func:`_bitsandbytes_quiet`)."""
+    try:
+        with _bitsandbytes_quiet():
             import peft
     except ImportError as e:
         raise ImportError('LoRA needs peft: pip install "anatomy_helpers[hf]"') from e
-    finally:
-        log.removeFilter(_not_the_bnb_kernel_note)
     return peft
 
 
@@ -159,7 +167,7 @@ def _lora(model: nn.Module, ft: FineTune) -> nn.Module:
         r=ft.lora_rank, lora_alpha=ft.lora_alpha, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=conv1d
     )
     try:
-        with warnings.catch_warnings():
+        with _bitsandbytes_quiet(), warnings.catch_warnings():
             # Mixture of experts (transformers 5.x fuses w1 and w3 into gate_up_proj): peft maps the targets onto
             # the fused parameters itself and gives gate_up_proj twice the rank through rank_pattern/alpha_pattern,
             # which it does apply (tests/test_hf.py checks the adapter's rank), then warns that the patterns
