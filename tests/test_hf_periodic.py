@@ -54,7 +54,9 @@ def test_what_is_refused_by_name_before_any_run():
     path = block_list(llama, FineTune())
     assert path == "model.layers" and block_list(tiny_config("gpt2", layers=6), FineTune()) == "transformer.h"
     assert refused_before_hf(llama, FineTune(), path) is None
-    assert refused_before_hf(tiny_config("llama-3.2-1b", layers=5), FineTune(), path).startswith("5 layers, at most 5")
+    assert refused_before_hf(tiny_config("llama-3.2-1b", layers=5), FineTune(), path).startswith(
+        "num_hidden_layers 5 is at most 5"
+    )
     frozen = FineTune(method="frozen", freeze=("model.layers.0.",))  # one layer frozen, the others trained
     assert refused_before_hf(llama, frozen, path) == "freeze prefix 'model.layers.0.' picks particular layers of " \
         "model.layers"  # fmt: skip
@@ -74,7 +76,7 @@ def test_what_is_refused_by_name_before_any_run():
 def test_a_model_of_five_layers_or_fewer_is_dry_run_in_full():
     cfg = tiny_config("llama-3.2-1b", layers=2)
     trace, why = periodic_dry_run_hf(cfg, FineTune())
-    assert why == "2 layers, at most 5: the deepest run the period is read from"
+    assert why == "num_hidden_layers 2 is at most 5, the deepest run the period is read from"
     assert trace_differences(trace, dry_run_hf(cfg, FineTune())) == []
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from ..core.model import ModelConfig
 from ..core.tables import Col, format_table
 from ..core.units import GiB, KiB
-from ..prediction.periodic import DEPTHS, NotPeriodic, periodic_trace
+from ..prediction.periodic import NotPeriodic, periodic_trace, too_shallow
 from ..tracking.trace import Trace
 from .fake_world import dry_run_rank, mesh_states_rule, model_states_rule
 from .ranks import RankJob
@@ -148,9 +148,8 @@ def periodic_rank(job: RankJob, world_size: int, rank: int = 0) -> PeriodicRank:
     def run_at(d: int) -> Trace:
         return dry_run_rank(dataclasses.replace(job, model={**job.model, "n_layer": d}), world_size, rank).result.trace
 
-    if depth <= DEPTHS[-1]:
-        why = f"n_layer {depth} is at most {DEPTHS[-1]}, the deepest run the period is read from"
-    else:
+    why = too_shallow(depth)
+    if why is None:
         try:
             trace = periodic_trace(run_at, depth, started=started)
         except NotPeriodic as e:

@@ -251,7 +251,7 @@ def default_step_on_gpu(capability: tuple[int, int], warm: bool) -> list[tuple[i
     cuBLAS workspaces exist before the step (lesson 06 runs a warm-up step first), so both leave them out."""
     cfg = ModelConfig()
     dev = Device("check", 2**40, tuple(capability))
-    trace, rep = dry_run_and_replay(cfg, 8, "adamw", "foreach", None)
+    trace, rep, _ = dry_run_and_replay(cfg, 8, "adamw", "foreach", None)
     made_before = ("cuBLAS workspace", "cuBLASLt workspace") if warm else ()
     corrections = [c for c in cuda_corrections(trace, cfg, None, dev) if c.rule not in made_before]
     added = correction_series(trace, corrections).sum(axis=1)

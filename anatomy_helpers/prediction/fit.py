@@ -274,19 +274,6 @@ def _dry_run(
     return trace, replay(trace.allocation_record()), why
 
 
-def _course_dry_run(
-    cfg: ModelConfig,
-    batch_size: int,
-    optimizer: str,
-    implementation: str,
-    autocast: str | None,
-    in_backward: bool = False,
-):
-    """(Trace, uncapped replay, why the dry run ran at full depth: None where depths 3, 4 and 5 were extended)."""
-    full = full_dry_run_asked()
-    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward, full)
-
-
 def dry_run_and_replay(
     cfg: ModelConfig,
     batch_size: int,
@@ -295,14 +282,16 @@ def dry_run_and_replay(
     autocast: str | None,
     in_backward: bool = False,
 ):
-    """(the Trace of ``dry_run_config``, its uncapped allocator replay) for two steps of ``cfg``: the last
-    :data:`DRY_RUNS_KEPT` are kept and given again (read them, do not change them).
+    """(the Trace of ``dry_run_config``, its uncapped allocator replay, why it ran at full depth: None where
+    depths 3, 4 and 5 were extended) for two steps of ``cfg``: the last :data:`DRY_RUNS_KEPT` are kept and given
+    again (read them, do not change them).
 
     The Trace is :func:`~anatomy_helpers.prediction.periodic.periodic_dry_run`'s: deeper than 5 blocks, built from
     dry runs at depths 3, 4 and 5, the same bytes as the full-depth dry run (tests/test_periodic.py), and wall times
     spread evenly, not measured (nothing here reads them); where the step does not repeat block by block, or
     :data:`FULL_DRY_RUN_ENV` is 1, the full dry run's."""
-    return _course_dry_run(cfg, batch_size, optimizer, implementation, autocast, in_backward)[:2]
+    full = full_dry_run_asked()
+    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward, full)
 
 
 def dry_run_text(n_layer: int, why: str | None) -> str:
@@ -377,7 +366,9 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     """
     cfg, autocast, micro_batches = request.cfg, request.autocast, request.micro_batches
     b = request.batch_size // micro_batches
-    trace, rep, why = _course_dry_run(cfg, b, request.optimizer, request.implementation, autocast, request.in_backward)
+    trace, rep, why = dry_run_and_replay(
+        cfg, b, request.optimizer, request.implementation, autocast, request.in_backward
+    )
     grads = gradient_bytes(cfg) if micro_batches > 1 else 0
     inputs = 2 * 8 * cfg.seq_len * (request.batch_size - b)  # x and y (int64) of the rest of the global batch
     label = request.label()

@@ -34,7 +34,7 @@ from .fit import FULL_DRY_RUN_ENV, full_dry_run_asked
 from .hf import build_model, hf_config
 from .hf_fixes import layers_of
 from .hf_step import FineTune, dry_run_hf
-from .periodic import DEPTHS, NotPeriodic, periodic_trace
+from .periodic import DEPTHS, NotPeriodic, periodic_trace, too_shallow
 
 #: Configuration fields that make some layers differ from the others: field -> (its values with which every layer
 #: is alike, what another value does). Another value is refused by name (:func:`refused_before_hf`).
@@ -95,8 +95,8 @@ def refused_before_hf(cfg, ft: FineTune, path: str | None = "") -> str | None:
     ``path``: its list of decoder layers (:func:`block_list`; None: it has none; "": not looked for yet, so only
     the configuration is read)."""
     depth = cfg.num_hidden_layers
-    if depth <= DEPTHS[-1]:
-        return f"{depth} layers, at most {DEPTHS[-1]}: the deepest run the period is read from"
+    if why := too_shallow(depth, "num_hidden_layers"):
+        return why
     fields = cfg.to_dict()
     for name, value in fields.items():  # per-layer lists: Gemma 2's layer_types, SmolLM 3's no_rope_layers
         if isinstance(value, (list, tuple)) and len(value) == depth:

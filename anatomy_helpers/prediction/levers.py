@@ -484,7 +484,7 @@ def verify_levers(
         cfg, batch_size, optimizer=optimizer, implementation=impl, device=device if capped else UNBOUNDED, **step
     )
     dev = request.check()
-    trace, _ = dry_run_and_replay(cfg, batch_size, optimizer, impl, request.autocast, request.in_backward)
+    trace, _, _ = dry_run_and_replay(cfg, batch_size, optimizer, impl, request.autocast, request.in_backward)
     _, category = dominant(trace)
     base = fit_run(request, dev)
     if capped and base.fits:

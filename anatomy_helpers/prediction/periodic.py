@@ -343,10 +343,18 @@ def trace_differences(fast: Trace, full: Trace) -> list[str]:
     return [name for name, same in checks.items() if not same]
 
 
+def too_shallow(depth: int, name: str = "n_layer") -> str | None:
+    """Why a model ``depth`` blocks deep is dry-run in full (None: it is deep enough for the period); ``name``:
+    what its configuration calls the depth."""
+    if depth <= DEPTHS[-1]:
+        return f"{name} {depth} is at most {DEPTHS[-1]}, the deepest run the period is read from"
+    return None
+
+
 def _refused_before(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` is dry-run in full without trying the period (None: try it)."""
-    if cfg.n_layer <= DEPTHS[-1]:
-        return f"n_layer {cfg.n_layer} is at most {DEPTHS[-1]}, the deepest run the period is read from"
+    if why := too_shallow(cfg.n_layer):
+        return why
     if cfg.checkpoint == "every_k" and cfg.checkpoint_every > 1:
         return f"checkpoint every_k with checkpoint_every {cfg.checkpoint_every} > 1 groups blocks into segments"
     return None
