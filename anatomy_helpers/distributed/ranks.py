@@ -7,8 +7,7 @@ with a :class:`RankTracker` and sends back a :class:`RankResult`: its Trace, the
 torch's own figures for what it holds (local shard bytes, ``optimizer.state`` bytes).
 
 * :func:`~anatomy_helpers.distributed.world.run_world` starts ``world_size`` local processes from a notebook or a test
-  (a
-  free port on 127.0.0.1, a clear error naming the rank that failed, every process killed on the way out), and
+  (a free port on 127.0.0.1, a clear error naming the rank that failed, every process killed on the way out), and
   :mod:`anatomy_helpers.distributed.world` also reads what they sent back into per-rank tables;
 * ``python -m anatomy_helpers.distributed`` (or ``torchrun --nproc-per-node N -m anatomy_helpers.distributed``,
   see :mod:`anatomy_helpers.distributed.__main__`) is the same entry point: it prints the per-rank table.
@@ -87,11 +86,9 @@ class RankJob:
             raise ValueError(f"RankJob.tp is the TP degree of a 2-D mesh ({tuple(MESH_STRATEGIES)}), got {self.tp!r}")
         for name in ("steps", "batch_size", "micro_batches", "warmup", "tp"):
             value = getattr(self, name)
+            kind = "non-negative" if name == "warmup" else "positive"
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "warmup" else 1):
-                raise ValueError(
-                    f"RankJob.{name} must be a {'non-negative' if name == 'warmup' else 'positive'} "
-                    f"integer, got {value!r}"
-                )
+                raise ValueError(f"RankJob.{name} must be a {kind} integer, got {value!r}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"fault must be None or one of {FAULTS}, got {self.fault!r}")
 
@@ -187,7 +184,7 @@ class RankTracker(StepTracker):
         self.gloo = gloo  # a real gloo rank: its blocking collectives run by gloo_release.run_blocking
         self._communication = list(communication)
         self._watched = list(watched)
-        self._watched_ids: list[tuple[torch.Tensor, int | None]] = []  # (watched tensor, its allocation id)
+        self._polled: list[list] = []  # [tensor, its storage, allocation id, bytes last read] of each watched one
         self.collectives: list[Collective] = []
 
     # ---- the StepTracker's extension points ----
@@ -207,10 +204,13 @@ class RankTracker(StepTracker):
         """The communication buffers and the watched storages, alive before tracking."""
         for t in self._communication:
             self.mark(t, COMMUNICATION)
-        self._watched_ids = [(t, self.mark(t, COMMUNICATION)) for t in self._watched]
+        ids = [(t, self.mark(t, COMMUNICATION)) for t in self._watched]
+        self._polled = [[t, t.untyped_storage(), i, t.untyped_storage().nbytes()] for t, i in ids if i is not None]
 
     def on_optimizer_step(self) -> None:
         """Mark the gradients the optimizer is about to read: FSDP sets its sharded ones without autograd's hooks."""
+        if any(t.untyped_storage()._cdata != st._cdata for t, st, *_ in self._polled):  # FSDP2 resizes, never swaps
+            raise RuntimeError("a watched all-gather output changed storage: the tracker follows in-place resizes")
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -222,12 +222,14 @@ class RankTracker(StepTracker):
 
     # ---- what the modes report ----
     def _poll_watched(self) -> None:
-        """Record resizes of the watched storages (FSDP resizes them in place, outside any op)."""
+        """Record resizes of the watched storages (FSDP resizes them in place, outside any op): one nbytes() each,
+        their storages found once (a lookup each per op cost a sharded 16-layer fine-tune's rank half its time)."""
         if not self.recording:
             return
-        for t, alloc_id in self._watched_ids:
-            if alloc_id is not None:
-                self.resize(alloc_id, t.untyped_storage().nbytes())
+        for polled in self._polled:
+            if (nbytes := polled[1].nbytes()) != polled[3]:
+                self.resize(polled[2], nbytes)
+                polled[3] = nbytes
 
     def _on_collective(self, func, args, out, mark: bool = True) -> None:
         if not self.recording:
@@ -390,13 +392,9 @@ def run_job(
     params = list(gpt.parameters())
     state_owner = getattr(opt, "optim", opt)
     communication = [t for t in spy.alive() if not any(t.untyped_storage()._cdata == _cdata(p) for p in params)]
+    gloo, watched = dist.get_backend() == "gloo", _fsdp_buffers(gpt)
     tracker = RankTracker(
-        gpt,
-        opt,
-        accumulate=job.micro_batches > 1,
-        communication=communication,
-        watched=_fsdp_buffers(gpt),
-        gloo=dist.get_backend() == "gloo",
+        gpt, opt, accumulate=job.micro_batches > 1, communication=communication, watched=watched, gloo=gloo
     )
     straggle = None
     if job.straggler_s > 0 and rank == world_size - 1:
