@@ -352,3 +352,15 @@ def test_the_rank_tracker_counts_a_bucket_its_gradients_view_as_gradients_and_re
     dtensor_like = torch.zeros(12)  # what the rank tracker takes for a DTensor: a local tensor and a mesh
     dtensor_like._local_tensor, dtensor_like.device_mesh = shard, None
     assert tracker.storage_tensor(dtensor_like) is shard
+
+
+def test_the_rank_tracker_refuses_a_watched_tensor_whose_storage_was_swapped(small):
+    # It reads each watched storage it found at the start (FSDP2 resizes them in place): one swapped for another
+    # (set_) would go unseen, so the next optimizer step refuses the run instead of answering from the old storage.
+    model, opt = small
+    gathered = torch.zeros(64)
+    tracker = RankTracker(model, opt, watched=[gathered])
+    with pytest.raises(RuntimeError, match="changed storage"):
+        with tracker:
+            gathered.set_(torch.zeros(8).untyped_storage())
+            tracker.on_optimizer_step()
