@@ -31,9 +31,10 @@ Where it falls back to the full dry run (and says why, in the returned reason): 
 ``checkpoint="every_k"`` with ``checkpoint_every`` > 1 (segments group blocks, so the step repeats every k blocks,
 not every block), and any configuration whose rows break the assumptions above (blocks that differ, a first step
 that differs in a way the per-block period does not capture: every_k with k > 1, tried, is refused by these
-checks too). ``dry_run_config`` has no micro-batches, so neither has this. tests/test_periodic.py checks it byte
-for byte against full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention,
-the optimizer in backward).
+checks too). Gradient accumulation (``micro_batches``) passes through to ``dry_run_config``: each depth runs every
+micro-batch, and the period is read from the whole step. tests/test_periodic.py checks it byte for byte against
+full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention, the optimizer in
+backward, 2 and 4 micro-batches).
 """
 
 from __future__ import annotations
