@@ -57,9 +57,10 @@ def test_periodic_at_twelve_layers():
     "fields, run",
     [
         (dict(), {"micro_batches": 2, "batch_size": 2}),
+        (dict(), {"micro_batches": 4, "batch_size": 8}),  # its saved tensors' passes were aligned into each other
         (dict(block="llama", checkpoint="full", attn_impl="sdpa"), {"micro_batches": 4, "batch_size": 8}),
     ],
-    ids=["gpt2 k=2", "llama full k=4"],
+    ids=["gpt2 k=2", "gpt2 k=4", "llama full k=4"],
 )
 def test_periodic_equals_full_dry_run_with_micro_batches(fields, run):
     """Gradient accumulation: every depth runs the k micro-batches, the gradients alive across them; the period

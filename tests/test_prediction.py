@@ -169,6 +169,19 @@ def test_micro_batches_are_dry_run_as_real_gradient_accumulation_byte_for_byte()
     assert fix.micro_batches == 2 and fix.extra_flops == pytest.approx(0, abs=1e-9)
 
 
+def test_a_named_gpu_takes_the_highest_micro_batch_of_a_phase():
+    """CUDA's rules correct each phase's peak on the corrected timeline: with 2 micro-batches the step's backward
+    runs twice, and the second (every gradient of the first alive under it) is the higher, as on the CPU trace."""
+    cfg = ModelConfig(**SMALL)
+    report = will_it_fit(cfg, 4, micro_batches=2, device="h100")  # compute capability 9.0: CUDA's rules
+    cpu = dry_run_config(cfg, batch_size=4, micro_batches=2, foreach=True).peak(step=2, phase="backward")
+    backward = next(p for p in report.phases if (p.step, p.phase) == (2, "backward"))
+    grads = sum(p.numel() * p.element_size() for p in make_model(device="cpu", **SMALL).parameters())
+    assert backward.breakdown["gradients"] == cpu.breakdown["gradients"] == grads
+    assert cpu.breakdown["kernel_scratch"] == 0 < backward.breakdown["kernel_scratch"]  # the cuBLAS workspaces
+    assert backward.tensors == cpu.bytes + backward.breakdown["kernel_scratch"]  # and nothing else
+
+
 def _flops_under_autocast(cfg, batch_size, dtype):
     mode = FakeTensorMode()
     model = build_fake_model(lambda: GPT(cfg), mode)
