@@ -688,6 +688,28 @@ MUTANTS = [
         "twin_problems, _ = check_calls({})",
         ("tests/test_dryrun_modules.py::test_the_small_twin_checks_what_the_full_run_could_not",),
     ),
+    # ---- gradient accumulation dry-run exactly (issue #43's micro-batches)
+    Mutant(
+        "dryrun.micro-batches-as-steps",
+        "prediction/dryrun.py",
+        "kernel_scratch=kernel_scratch, accumulate=micro_batches > 1)",
+        "kernel_scratch=kernel_scratch, accumulate=False)",
+        ("tests/test_dryrun.py::test_dry_run_equals_measured_byte_for_byte",),  # its micro_batches cases
+    ),
+    Mutant(
+        "dryrun.twin-without-micro-batches",
+        "prediction/dryrun.py",
+        "twin_batch = micro_batches * min(batch_size // micro_batches, 2)",
+        "twin_batch = min(batch_size, 2)",
+        ("tests/test_dryrun_modules.py::test_the_small_twin_keeps_the_micro_batches",),
+    ),
+    Mutant(
+        "cuda_rules.first-micro-batch-only",
+        "prediction/cuda_rules.py",
+        "        if best is None or total[i - first] > best[0]:",
+        "        if best is None:",
+        ("tests/test_prediction.py::test_a_named_gpu_takes_the_highest_micro_batch_of_a_phase",),
+    ),
     Mutant(
         "dryrun.no-op-calls-to-check",
         "prediction/dryrun.py",

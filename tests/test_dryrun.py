@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from anatomy_helpers import ModelConfig, make_model, make_optimizer, track_steps
 from anatomy_helpers.core.checkpointing import CHECKPOINT_POLICIES
+from anatomy_helpers.prediction import dryrun
 from anatomy_helpers.prediction.dryrun import (
     KERNEL_SCRATCH_RULE,
     DryRunError,
@@ -58,6 +59,11 @@ SWEEP = [
     dict(loss_chunk=7, dtype="bfloat16", in_backward=True),
     dict(optimizer="adamw_bf16"),
     dict(set_to_none=False),
+    # gradient accumulation: the global batch in k micro-batches, the tracker made with accumulate=True
+    dict(micro_batches=2),
+    dict(block="llama", n_head=4, n_kv_head=2, micro_batches=4, batch=8),
+    dict(checkpoint="full", micro_batches=2, batch=6),
+    dict(autocast="bfloat16", micro_batches=4, optimizer="sgd"),
 ]
 
 
@@ -76,6 +82,7 @@ CHOICES = dict(
     in_backward=False,
     loss_chunk=None,
     set_to_none=True,
+    micro_batches=1,
 )
 
 
@@ -83,13 +90,14 @@ def real_trace(cfg: dict, steps: int) -> Trace:
     """track_steps, the course's loop, with kernel scratch off (the one category a dry run cannot see)."""
     cfg = dict(cfg)
     opt_kw = {k: cfg.pop(k) for k in ("optimizer", "foreach", "fused", "in_backward") if k in cfg}
-    batch, autocast, set_to_none = cfg.pop("batch", 4), cfg.pop("autocast", None), cfg.pop("set_to_none", True)
+    step = {k: cfg.pop(k) for k in ("autocast", "set_to_none", "micro_batches") if k in cfg}
+    batch = cfg.pop("batch", 4)
     model = make_model(device="cpu", **{**SMALL, **cfg})
     opt = make_optimizer(model, opt_kw.pop("optimizer", "adamw"), **opt_kw)
     original = train_module.StepTracker
-    train_module.StepTracker = functools.partial(original, kernel_scratch=False)
+    train_module.StepTracker = functools.partial(original, kernel_scratch=False)  # accumulate=: track_steps' own
     try:
-        return track_steps(model, opt, steps, batch, autocast=autocast, set_to_none=set_to_none)
+        return track_steps(model, opt, steps, batch, **step)
     finally:
         train_module.StepTracker = original
 
@@ -98,7 +106,9 @@ def fake_trace(cfg: dict, steps: int) -> Trace:
     cfg = dict(cfg)
     batch = cfg.pop("batch", 4)
     opt_kw = {
-        k: cfg.pop(k) for k in ("optimizer", "foreach", "fused", "autocast", "in_backward", "set_to_none") if k in cfg
+        k: cfg.pop(k)
+        for k in ("optimizer", "foreach", "fused", "autocast", "in_backward", "set_to_none", "micro_batches")
+        if k in cfg
     }
     return dry_run_config(ModelConfig(**{**SMALL, **cfg}), batch_size=batch, steps=steps, **opt_kw)
 
@@ -131,6 +141,7 @@ def test_the_sweep_covers_every_choice_a_dry_run_must_follow():
         "in_backward": {False, True},
         "loss_chunk": {None, 24, 7},
         "set_to_none": {True, False},
+        "micro_batches": {1, 2, 4},
     }
     assert {c["optimizer"] for c in SWEEP if c.get("fused")} == {"adamw", "adam", "sgd"}  # each fused CPU kernel
 
@@ -238,3 +249,20 @@ def test_bad_arguments_are_refused():
         dry_run_config(ModelConfig(**SMALL), optimizer="lion")
     with pytest.raises(ValueError, match="ModelConfig.n_kv_head"):
         dry_run_config(n_layer=1, n_head=4, n_kv_head=3, block="llama")
+
+
+@pytest.mark.parametrize(
+    "run, match",
+    [
+        (dict(micro_batches=0), "micro_batches must be a positive integer"),
+        (dict(micro_batches=2.0), "micro_batches must be a positive integer"),
+        (dict(micro_batches=True), "micro_batches must be a positive integer"),
+        (dict(micro_batches=3), r"batch_size \(4\) must be a multiple of micro_batches \(3\): the global batch"),
+        (dict(micro_batches=2, in_backward=True), r"in_backward cannot accumulate micro-batches \(micro_batches=2\)"),
+        (dict(in_backward="yes"), "in_backward must be one of"),
+    ],
+)
+def test_bad_micro_batches_are_refused_before_any_run(run, match, monkeypatch):
+    monkeypatch.setattr(dryrun, "_run_fake", lambda *a: pytest.fail("a dry run started"))
+    with pytest.raises(ValueError, match=match):
+        dry_run_config(ModelConfig(**SMALL), batch_size=4, **run)

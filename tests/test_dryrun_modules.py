@@ -259,6 +259,20 @@ def test_ops_too_large_to_check_are_refused_or_checked_on_a_small_twin(nothing_c
     assert real_twin and max(real_twin) <= 2**20
 
 
+@pytest.mark.parametrize("batch_size, twin", [(12, 8), (4, 4)])
+def test_the_small_twin_keeps_the_micro_batches(nothing_checked, monkeypatch, batch_size, twin):
+    """4 micro-batches of 3 rows: the twin runs 4 micro-batches of 2 (its batch a multiple of 4: a twin of
+    min(12, 2) rows could not be split in 4); of 1 row where the real micro-batch has 1."""
+    monkeypatch.setattr(fake_check, "MAX_CHECK_BYTES", 2**18)  # the 256-wide weights' calls are over it
+    seen, rows = [], []
+    check_calls, course_batch = fake_check.check_calls, dryrun.course_batch
+    monkeypatch.setattr(dryrun, "check_calls", lambda calls, *a: seen.append(calls) or check_calls(calls, *a))
+    monkeypatch.setattr(dryrun, "course_batch", lambda b, *a: rows.append(b) or course_batch(b, *a))
+    dry_run_config(batch_size=batch_size, micro_batches=4, **{**SMALL, "d_model": 256, "n_head": 4, "seq_len": 64})
+    assert len(seen) == 2 and rows == [batch_size] * 2 + [twin] * 2  # the full run's 2 steps, then its twin's
+    assert all(fake_check.op_checked(key) for calls in seen for key in calls)
+
+
 # ---- the small twin: it checks what the full-size run could not, or the dry run is refused ------------------------
 
 

@@ -54,6 +54,27 @@ def test_periodic_at_twelve_layers():
 
 
 @pytest.mark.parametrize(
+    "fields, run",
+    [
+        (dict(), {"micro_batches": 2, "batch_size": 2}),
+        (dict(), {"micro_batches": 4, "batch_size": 8}),  # its saved tensors' passes were aligned into each other
+        (dict(block="llama", checkpoint="full", attn_impl="sdpa"), {"micro_batches": 4, "batch_size": 8}),
+    ],
+    ids=["gpt2 k=2", "gpt2 k=4", "llama full k=4"],
+)
+def test_periodic_equals_full_dry_run_with_micro_batches(fields, run):
+    """Gradient accumulation: every depth runs the k micro-batches, the gradients alive across them; the period
+    read from depths 3, 4 and 5 still gives the full dry run at depth 7, byte for byte."""
+    cfg = ModelConfig(n_layer=7, **TINY, **fields)
+    fast, why = periodic_dry_run(cfg, **run)
+    assert why is None
+    full = dry_run_config(cfg, **run)
+    assert_same(fast, full)
+    forwards = [p for p in full.phases() if p.phase == "forward"]
+    assert len(forwards) == 2 * run["micro_batches"]  # two steps of k micro-batches: the micro-batches were run
+
+
+@pytest.mark.parametrize(
     "fields, reason",
     [
         (dict(n_layer=6, checkpoint="every_k", checkpoint_every=2), "checkpoint_every 2 > 1 groups blocks"),

@@ -143,22 +143,43 @@ def _just_short(cfg, batch_size, **options) -> int:
     return will_it_fit(cfg, batch_size, device=10**12, **options).peak.tensors - 1 + CUDA_CONTEXT_BYTES
 
 
-def test_micro_batch_bound_covers_real_gradient_accumulation():
-    cfg = ModelConfig(**SMALL)
-    device = _just_short(cfg, 4, implementation="single")
+def test_micro_batches_are_dry_run_as_real_gradient_accumulation_byte_for_byte():
+    small = {**SMALL, "seq_len": 128}  # long enough that the allocator's segments tell 1 micro-batch from 2
+    cfg = ModelConfig(**small)
+    # a device (its size alone: the CPU kernels' rules) just large enough for 2 micro-batches of 2, not for 1 of 4
+    two = min_limit_to_pass(dry_run_config(cfg, batch_size=4, foreach=False, micro_batches=2).allocation_record())
+    assert min_limit_to_pass(dry_run_config(cfg, batch_size=4, foreach=False).allocation_record()) > two
+    device = two + CUDA_CONTEXT_BYTES
     fixes = {f.name: f for f in cheapest_fix(cfg, 4, implementation="single", device=device)}
     fix = fixes["micro-batch 2 x 2 (accumulate)"]
     direct = will_it_fit(cfg, 4, implementation="single", device=device, micro_batches=2)
-    assert direct.phases == fix.report.phases and "x 2 micro-batches" in direct.label
-    model = make_model(device="cpu", **SMALL)
+    assert direct.phases == fix.report.phases and "x 2 micro-batches" in direct.label and fix.fits
+    model = make_model(device="cpu", **small)
     opt = make_optimizer(model, "adamw", foreach=False)
     tracker = StepTracker(model, opt, kernel_scratch=False, accumulate=True)
     real = track_steps(model, opt, steps=2, batch_size=4, micro_batches=2, tracker=tracker)
+    # every phase's peak (the highest of its micro-batches' passes) and its breakdown, as the real run measured them
+    for p in fix.report.phases:
+        measured = real.peak(step=p.step, phase=p.phase)
+        assert (p.tensors, p.breakdown) == (measured.bytes, measured.breakdown)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
-    plain = dry_run_config(cfg, batch_size=2, foreach=False).peak().bytes
-    inputs = 2 * 8 * cfg.seq_len * 2  # x and y (int64) of the two rows not in the micro-batch
-    assert plain < real.peak().bytes <= fix.report.peak.tensors == plain + grads + inputs
+    plain = dry_run_config(cfg, batch_size=2, foreach=False).peak().bytes  # one micro-batch alone, no accumulation
+    assert plain < real.peak().bytes == fix.report.peak.tensors
+    assert fix.report.peak.breakdown["gradients"] == grads  # the second micro-batch's backward: every gradient alive
     assert fix.micro_batches == 2 and fix.extra_flops == pytest.approx(0, abs=1e-9)
+
+
+def test_a_named_gpu_takes_the_highest_micro_batch_of_a_phase():
+    """CUDA's rules correct each phase's peak on the corrected timeline: with 2 micro-batches the step's backward
+    runs twice, and the second (every gradient of the first alive under it) is the higher, as on the CPU trace."""
+    cfg = ModelConfig(**SMALL)
+    report = will_it_fit(cfg, 4, micro_batches=2, device="h100")  # compute capability 9.0: CUDA's rules
+    cpu = dry_run_config(cfg, batch_size=4, micro_batches=2, foreach=True).peak(step=2, phase="backward")
+    backward = next(p for p in report.phases if (p.step, p.phase) == (2, "backward"))
+    grads = sum(p.numel() * p.element_size() for p in make_model(device="cpu", **SMALL).parameters())
+    assert backward.breakdown["gradients"] == cpu.breakdown["gradients"] == grads
+    assert cpu.breakdown["kernel_scratch"] == 0 < backward.breakdown["kernel_scratch"]  # the cuBLAS workspaces
+    assert backward.tensors == cpu.bytes + backward.breakdown["kernel_scratch"]  # and nothing else
 
 
 def _flops_under_autocast(cfg, batch_size, dtype):
@@ -325,7 +346,7 @@ def test_training_preserving_fixes_rank_first_and_the_t4_gets_fp16():
     assert names.index("fp16 autocast + GradScaler") > names.index("checkpoint=full")  # numerics are not free
     smaller = next(f for f in t4 if f.effect == "global batch")
     assert smaller.name == "batch 6 (smaller global batch)" and smaller.fits
-    # the same dry run as the micro-batch's, without what accumulation adds
+    # the micro-batch's size without accumulation: no gradients alive under the second micro-batch's activations
     micro = t4[0]
     assert smaller.report.peak.tensors < micro.report.peak.tensors
     # which autocast is offered depends on the device alone: a small model shows it at a fraction of the cost

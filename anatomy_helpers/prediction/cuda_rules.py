@@ -303,13 +303,22 @@ def correction_series(trace: Trace, corrections: list[Correction]) -> np.ndarray
 
 def corrected_peak(trace: Trace, series: np.ndarray, step: int, phase: str) -> tuple[int, int, dict[str, int]]:
     """(bytes, sample, bytes per category) at the corrected peak of one phase: the trace's window of the phase
-    (the moment just before it included, as :meth:`Trace.peak` counts it) on the corrected timeline."""
-    ph = trace.phase(step, phase)
-    first = max(ph.start - 1, 0)
-    total = trace.timeline.total[first : ph.end + 1] + series[first : ph.end + 1].sum(axis=1)
-    i = first + int(np.argmax(total))
+    (the moment just before it included, as :meth:`Trace.peak` counts it) on the corrected timeline; a phase run
+    more than once in the step (gradient accumulation's forward and backward, once per micro-batch): the highest
+    of its runs, the first where two are as high, as :meth:`Trace.peak` takes it."""
+    trace.phase(step, phase)  # ValueError where the step has no such phase
+    best = None
+    for ph in trace.phases():
+        if ph.step != step or ph.phase != phase:
+            continue
+        first = max(ph.start - 1, 0)
+        total = trace.timeline.total[first : ph.end + 1] + series[first : ph.end + 1].sum(axis=1)
+        i = first + int(np.argmax(total))
+        if best is None or total[i - first] > best[0]:
+            best = (int(total[i - first]), i)
+    nbytes, i = best
     breakdown = {c: int(b) for c, b in zip(CATEGORIES, trace.timeline.bytes[i] + series[i])}
-    return int(total[i - first]), i, breakdown
+    return nbytes, i, breakdown
 
 
 __all__ = [

@@ -202,14 +202,24 @@ def run_steps(
     set_to_none: bool = True,
     kernel_scratch: bool = True,
     fake: bool = False,
+    micro_batches: int = 1,
 ) -> Trace:
     """``steps`` tracked training steps of any module: ``train.track_steps``' step
     (:func:`~anatomy_helpers.training.step.run_step`), with ``batch = batch_fn(i)`` and ``loss = loss_fn(model, batch)``
     for step ``i`` (from 0). A real run reads ``loss.item()`` as track_steps does; a ``fake`` one cannot (there is
-    no value) and skips it, which allocates nothing either way.
+    no value) and skips it, which allocates nothing either way. ``micro_batches=k``: gradient accumulation as
+    track_steps runs it (``batch_fn(i)`` is the global batch, split into k micro-batches by the
+    :class:`~anatomy_helpers.training.step.StepPlan`; the tracker made with ``accumulate=True``).
     """
-    plan = StepPlan(autocast=autocast, set_to_none=set_to_none, read_loss=not fake, batch=batch_fn, loss=loss_fn)
-    with StepTracker(model, optimizer, kernel_scratch=kernel_scratch) as tracker:
+    plan = StepPlan(
+        autocast=autocast,
+        set_to_none=set_to_none,
+        read_loss=not fake,
+        batch=batch_fn,
+        loss=loss_fn,
+        micro_batches=micro_batches,
+    )
+    with StepTracker(model, optimizer, kernel_scratch=kernel_scratch, accumulate=micro_batches > 1) as tracker:
         for i in range(steps):
             run_step(model, optimizer, plan, i)
     return tracker.trace
@@ -270,7 +280,9 @@ def _run_fake(*args):
         interrupt.stop()
 
 
-def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device):
+def _fake_steps(
+    model_factory, batch_factory, loss_fn, optimizer_factory, steps, autocast, set_to_none, device, micro_batches=1
+):
     mode = CheckedFakeTensorMode()  # notes the op calls to check
     model = build_fake_model(model_factory, mode, device)
     mode.calls.clear()  # making the fake model is the dry run's own doing, not the step's
@@ -290,6 +302,7 @@ def _fake_steps(model_factory, batch_factory, loss_fn, optimizer_factory, steps,
                 set_to_none=set_to_none,
                 kernel_scratch=False,
                 fake=True,
+                micro_batches=micro_batches,
             )
     except CompiledCodeError as e:  # a compiled function the step called (the tracker refused it before it ran)
         raise refuse_compiled(e.where) from e
@@ -351,6 +364,23 @@ def check_ops(calls: dict, what: str, small_twin: Callable[[], dict] | None = No
         )
 
 
+def check_micro_batches(batch_size: int, micro_batches: int, in_backward: bool = False) -> None:
+    """ValueError naming what is wrong with gradient accumulation's ``micro_batches`` for a global batch of
+    ``batch_size`` rows (``in_backward``: the optimizer step fused into backward, which cannot accumulate)."""
+    positive_int("batch_size", batch_size)
+    positive_int("micro_batches", micro_batches)
+    if batch_size % micro_batches:
+        raise ValueError(
+            f"batch_size ({batch_size}) must be a multiple of micro_batches ({micro_batches}): the global batch is "
+            "split into micro-batches of equal rows"
+        )
+    if in_backward and micro_batches > 1:
+        raise ValueError(
+            f"in_backward cannot accumulate micro-batches (micro_batches={micro_batches}): the optimizer step fused "
+            "into backward steps at every micro-batch's backward, and accumulating keeps the gradients until the last"
+        )
+
+
 def twin_config(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` with the same code paths at a size whose every op runs for real in milliseconds: head width 8,
     at most 16 positions, 64 tokens, and the layers a checkpointing policy needs."""
@@ -375,23 +405,28 @@ def dry_run_config(
     autocast: str | None = None,
     in_backward: bool = False,
     set_to_none: bool = True,
+    micro_batches: int = 1,
     **config,
 ) -> Trace:
     """Dry-run ``track_steps`` on the course GPT: ``cfg`` (or ModelConfig fields as keywords), on CPU.
 
     The same loop as ``track_steps(make_model(**config), make_optimizer(model, optimizer, foreach=..,
-    fused=.., in_backward=..), steps, batch_size, autocast=..., set_to_none=...)``, with the same batches'
-    allocations (:func:`course_batch`).
+    fused=.., in_backward=..), steps, batch_size, autocast=..., set_to_none=..., micro_batches=...)``, with the same
+    batches' allocations (:func:`course_batch`). ``micro_batches=k``: gradient accumulation, ``batch_size`` the
+    global batch, split into k micro-batches as the step splits it, each run forward and backward, then one
+    optimizer step (the tracker made with ``accumulate=True``, as track_steps makes it); ``check_micro_batches``
+    refuses k that does not divide the batch, or with ``in_backward``.
     Byte for byte the real trace with ``kernel_scratch=False``; any size (nothing is allocated). The ops of a
-    large configuration are checked against the real kernels on a small twin (:func:`twin_config`, once per
-    session for each set of code paths), see :func:`dry_run`.
+    large configuration are checked against the real kernels on a small twin (:func:`twin_config`, at most two
+    rows per micro-batch, as many micro-batches; once per session for each set of code paths), see :func:`dry_run`.
     """
     if cfg is not None and config:
         raise ValueError("pass either a ModelConfig or its fields as keywords, not both")
     cfg = cfg if cfg is not None else ModelConfig(**config)
-    positive_int("batch_size", batch_size)
     _check_steps(steps, autocast)
     one_of("set_to_none", set_to_none, (True, False))
+    one_of("in_backward", in_backward, (True, False))
+    check_micro_batches(batch_size, micro_batches, in_backward)
 
     def run(cfg: ModelConfig, batch_size: int):
         return _run_fake(
@@ -403,8 +438,12 @@ def dry_run_config(
             autocast,
             set_to_none,
             "cpu",
+            micro_batches,
         )
 
     trace, calls = run(cfg, batch_size)
-    check_ops(calls, "the course GPT", lambda: run(twin_config(cfg), min(batch_size, 2))[1])
+    # the twin keeps the micro-batches (the same code paths: a loss divided by k, gradients accumulated), each of
+    # at most 2 rows (1 where the real one has 1), so its batch stays a multiple of k
+    twin_batch = micro_batches * min(batch_size // micro_batches, 2)
+    check_ops(calls, "the course GPT", lambda: run(twin_config(cfg), twin_batch)[1])
     return trace

@@ -27,10 +27,8 @@ import functools
 import os
 from dataclasses import astuple, dataclass, field, replace
 
-import torch
-
-from ..core.checks import one_of, positive_int
-from ..core.model import GPT, ModelConfig, param_count
+from ..core.checks import one_of
+from ..core.model import ModelConfig, param_count
 from ..tracking.trace import Trace
 from ..training.step import AUTOCAST_CHOICES
 from ..training.train import OPTIMIZER_NAMES
@@ -45,7 +43,7 @@ from .cuda_rules import (
     rules_text,
 )
 from .devices import DEFAULT_GPU, Device, get_device
-from .dryrun import dry_run_config
+from .dryrun import check_micro_batches, dry_run_config
 from .fit_report import FitReport, PhaseNeed, assumed_bytes, size_text
 from .periodic import DEPTHS, periodic_dry_run
 from .sdpa_rules import sdpa_backend
@@ -61,13 +59,11 @@ STEP_PHASES = tuple((s, p) for s in (1, 2) for p in ("forward", "backward", "opt
 SIZE_ONLY_RULES = f"{CPU_RULES}, not CUDA's: a device given only by its size has no compute capability to pick them by"
 
 
-def phase_needs(
-    trace: Trace, extra: dict[str, dict[str, int]] | None = None, rep=None, series=None, series_in_rep: bool = False
-) -> tuple[PhaseNeed, ...]:
+def phase_needs(trace: Trace, rep=None, series=None, series_in_rep: bool = False) -> tuple[PhaseNeed, ...]:
     """Step 1's and step 2's phases of a dry run: tensor peaks, and the simulated allocator's reserved bytes at them.
 
-    ``extra`` adds bytes to a phase's tensors (phase name -> category -> bytes: what gradient accumulation keeps
-    alive beyond a plain step of one micro-batch, see :func:`cheapest_fix`). ``rep``: the uncapped
+    A step of several micro-batches has each phase several times (forward and backward once per micro-batch): a
+    phase's peak is the highest of them. ``rep``: the uncapped
     :func:`~anatomy_helpers.prediction.allocator.replay` of the trace's record, if already made. ``series``: CUDA rules'
     corrections per sample and category (:func:`~anatomy_helpers.prediction.cuda_rules.correction_series`); the peaks
     are then those of the corrected timeline, and the reserved bytes get the correction at that moment added, unless
@@ -84,11 +80,7 @@ def phase_needs(
         reserved = int(rep.reserved[n0 + index]) if len(rep.reserved) else 0
         if series is not None and not series_in_rep:
             reserved += int(series[index].sum())
-        add = (extra or {}).get(phase, {})
-        for category, nbytes in add.items():
-            breakdown[category] = breakdown.get(category, 0) + nbytes
-        add = sum(add.values())
-        out.append(PhaseNeed(step, phase, tensors + add, reserved + add, breakdown))
+        out.append(PhaseNeed(step, phase, tensors, reserved, breakdown))
     return tuple(out)
 
 
@@ -163,27 +155,23 @@ class FitRequest:
         dev = usable_device(self.device)
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-        positive_int("batch_size", batch_size)
-        positive_int("micro_batches", self.micro_batches)
-        if batch_size % self.micro_batches:
-            raise ValueError(f"batch_size ({batch_size}) must be a multiple of micro_batches ({self.micro_batches})")
+        one_of("in_backward", self.in_backward, (True, False))
+        check_micro_batches(batch_size, self.micro_batches, self.in_backward)
         one_of("optimizer", self.optimizer, OPTIMIZER_NAMES)
         one_of("implementation", self.implementation, IMPLEMENTATION_FLAGS)
-        one_of("in_backward", self.in_backward, (True, False))
         if self.optimizer in ("adamw_bf16", "adamw8bit") and self.implementation != "single":
             raise ValueError(f"optimizer {self.optimizer} has one implementation: implementation='single'")
-        if self.in_backward and self.micro_batches > 1:
-            raise ValueError("in_backward cannot accumulate micro-batches: it steps at every backward")
         one_of("autocast", self.autocast, AUTOCAST_CHOICES)
         full_dry_run_asked()  # the environment's choice of dry run (FULL_DRY_RUN_ENV), checked before any work
         if cfg.n_layer > MAX_LAYERS:
             raise ValueError(
                 f"n_layer must be at most {MAX_LAYERS} for a dry run (it replays every layer), got {cfg.n_layer}"
             )
-        least = (param_count(cfg) + batch_size * cfg.seq_len * cfg.vocab_size) * cfg.torch_dtype.itemsize
+        rows = batch_size // self.micro_batches  # one pass's: the logits of one micro-batch are alive at a time
+        least = (param_count(cfg) + rows * cfg.seq_len * cfg.vocab_size) * cfg.torch_dtype.itemsize
         if least > MAX_OVER_DEVICE * dev.total:  # parameters + logits alone
             raise ValueError(
-                f"{describe(cfg, batch_size, self.optimizer, self.implementation, self.autocast)} needs at least "
+                f"{self.label()} needs at least "
                 f"{size_text(least)} for its parameters and logits alone, over {MAX_OVER_DEVICE} times the "
                 f"{size_text(dev.total)} of {dev.name}: it cannot fit, and no dry run is needed to say so"
             )
@@ -217,8 +205,8 @@ def will_it_fit(cfg: ModelConfig | None = None, batch_size: int = 8, **options) 
     softmax corrected; :class:`~anatomy_helpers.prediction.cuda_rules.CudaRuleError` where no rule is stated); a device
     given as a size keeps the CPU kernels'. Kernel scratch (attention kernels' scratch) is in neither: keep a margin.
 
-    ``micro_batches=k`` (gradient accumulation, ``batch_size`` the global batch): the dry run has no micro-batches,
-    so it runs one micro-batch and adds what accumulation keeps alive, an upper bound (see :func:`fit_run`).
+    ``micro_batches=k`` (gradient accumulation, ``batch_size`` the global batch): the dry run runs the k
+    micro-batches one by one, as ``track_steps(..., micro_batches=k)`` does (exact, see :func:`fit_run`).
     """
     request = FitRequest(cfg if cfg is not None else ModelConfig(), batch_size, **options)
     dev = request.check()
@@ -228,7 +216,7 @@ def will_it_fit(cfg: ModelConfig | None = None, batch_size: int = 8, **options) 
 #: How many dry runs (with their uncapped allocator replays) are kept for reuse. A dry run is deterministic (shapes
 #: only), and the same one is asked for again and again: lesson 06's panel moved one notch and put back, the fix list
 #: of a second device (every candidate but mixed precision is the same dry run), ``cheapest_fix`` after
-#: ``will_it_fit``, a micro-batch and a smaller global batch of the same size. Bounded: GPT-2 small's two steps keep
+#: ``will_it_fit``, ``combined`` after ``try_levers``. Bounded: GPT-2 small's two steps keep
 #: about a MiB of records.
 DRY_RUNS_KEPT = 32
 
@@ -255,6 +243,7 @@ def _dry_run(
     implementation: str,
     autocast: str | None,
     in_backward: bool,
+    micro_batches: int,
     full: bool,
 ):
     foreach, fused = IMPLEMENTATION_FLAGS[implementation]
@@ -266,6 +255,7 @@ def _dry_run(
         batch_size=batch_size,
         autocast=autocast,
         in_backward=in_backward,
+        micro_batches=micro_batches,
     )
     if full:
         trace, why = dry_run_config(cfg, **run), f"full dry run: {FULL_DRY_RUN_ENV}=1 asks for it"
@@ -281,17 +271,19 @@ def dry_run_and_replay(
     implementation: str,
     autocast: str | None,
     in_backward: bool = False,
+    micro_batches: int = 1,
 ):
     """(the Trace of ``dry_run_config``, its uncapped allocator replay, why it ran at full depth: None where
-    depths 3, 4 and 5 were extended) for two steps of ``cfg``: the last :data:`DRY_RUNS_KEPT` are kept and given
-    again (read them, do not change them).
+    depths 3, 4 and 5 were extended) for two steps of ``cfg`` (``batch_size`` the global batch, in
+    ``micro_batches`` micro-batches): the last :data:`DRY_RUNS_KEPT` are kept and given again (read them, do not
+    change them).
 
     The Trace is :func:`~anatomy_helpers.prediction.periodic.periodic_dry_run`'s: deeper than 5 blocks, built from
     dry runs at depths 3, 4 and 5, the same bytes as the full-depth dry run (tests/test_periodic.py), and wall times
     spread evenly, not measured (nothing here reads them); where the step does not repeat block by block, or
     :data:`FULL_DRY_RUN_ENV` is 1, the full dry run's."""
     full = full_dry_run_asked()
-    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward, full)
+    return _dry_run(astuple(cfg), batch_size, optimizer, implementation, autocast, in_backward, micro_batches, full)
 
 
 def dry_run_text(n_layer: int, why: str | None) -> str:
@@ -301,13 +293,6 @@ def dry_run_text(n_layer: int, why: str | None) -> str:
         depths = ", ".join(map(str, DEPTHS))
         return f"depths {depths}, extended to {n_layer} blocks (exact: the same bytes as a full dry run)"
     return f"full depth ({why.removeprefix('full dry run: ')})"
-
-
-def gradient_bytes(cfg: ModelConfig) -> int:
-    """Bytes of all the model's gradients (one per trainable parameter, in its dtype)."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def capped_replay(record, rep, limit: int) -> LimitReplay | None:
@@ -358,23 +343,18 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
 
     Its ``dry_run`` says which dry run answered (:func:`dry_run_text`).
 
-    ``micro_batches=k``: the dry run of one micro-batch (``batch_size // k`` rows), with the whole gradients added to
-    its forward and backward and the rest of the global batch's inputs (``track_steps`` slices micro-batches out of
-    it) to every phase, and the allocator's cap lowered by both: an upper bound (from the second micro-batch on,
-    the accumulated gradients are alive throughout; tests/test_prediction.py checks it against
-    ``track_steps(micro_batches=k)``).
+    ``micro_batches=k``: the dry run runs the global batch's k micro-batches one by one (forward and backward each,
+    the gradients accumulated, then one optimizer step), as ``track_steps(..., micro_batches=k)`` does: exact, byte
+    for byte (tests/test_prediction.py checks it against the real run); a phase's need is the highest of its k
+    passes.
     """
-    cfg, autocast, micro_batches = request.cfg, request.autocast, request.micro_batches
-    b = request.batch_size // micro_batches
+    cfg, autocast = request.cfg, request.autocast
     trace, rep, why = dry_run_and_replay(
-        cfg, b, request.optimizer, request.implementation, autocast, request.in_backward
-    )
-    grads = gradient_bytes(cfg) if micro_batches > 1 else 0
-    inputs = 2 * 8 * cfg.seq_len * (request.batch_size - b)  # x and y (int64) of the rest of the global batch
+        cfg, request.batch_size, request.optimizer, request.implementation, autocast, request.in_backward,
+        request.micro_batches,
+    )  # fmt: skip
     label = request.label()
-    both = {"gradients": grads, "inputs": inputs}
-    extra = {"forward": both, "backward": both, "optimizer": {"inputs": inputs}}
-    limit = dev.usable - grads - inputs
+    limit = dev.usable
     corrections, series, sdpa = None, None, None
     if dev.capability is not None:  # a GPU we know: CUDA's rules (CudaRuleError where one cannot be stated)
         corrections = cuda_corrections(trace, cfg, autocast, dev)
@@ -384,10 +364,10 @@ def fit_run(request: FitRequest, dev: Device, note: str = "") -> FitReport:
     workspace = 0 if corrections is not None else unapplied_workspaces(dev)
     allowance = assumed_bytes(dev.context, dev.context_measured, workspace)
     oom, close = allocator_answer(trace.allocation_record(), rep, limit, allowance)
-    needs = phase_needs(trace, extra, rep, series)
+    needs = phase_needs(trace, rep, series)
     rules = rules_text(corrections, sdpa, dev.capability) if corrections is not None else SIZE_ONLY_RULES
     return FitReport(
-        label, dev.name, dev.total, dev.usable, needs, _where(oom), grads + inputs, note, dev.context_note(), rules,
+        label, dev.name, dev.total, dev.usable, needs, _where(oom), note, dev.context_note(), rules,
         course_assumptions(cfg, request.optimizer, autocast), workspace, oom, close, dev.total_note(),
         dry_run_text(cfg.n_layer, why),
     )  # fmt: skip
@@ -418,8 +398,8 @@ def trace_fit_report(
     workspace = 0 if corrections else unapplied_workspaces(dev)
     allowance = assumed_bytes(dev.context, dev.context_measured, workspace)
     oom, close = allocator_answer(record, rep, limit, allowance)
-    needs = phase_needs(trace, None, rep, series)
+    needs = phase_needs(trace, rep, series)
     return FitReport(
-        label, dev.name, dev.total, dev.usable, needs, _where(oom), 0, note, dev.context_note(), rules, assumptions,
+        label, dev.name, dev.total, dev.usable, needs, _where(oom), note, dev.context_note(), rules, assumptions,
         workspace, oom, close, dev.total_note(),
     )  # fmt: skip

@@ -52,7 +52,7 @@ class PhaseNeed:
 
     step: int
     phase: str
-    tensors: int  # the dry run's peak of live tensor bytes in the phase (+ accumulated gradients, if any)
+    tensors: int  # the dry run's peak of live tensor bytes in the phase (the highest of a step's micro-batches)
     reserved: int  # the uncapped simulated allocator's reserved bytes at that peak (its cache included)
     breakdown: dict[str, int]  # bytes per category at the tensor peak
 
@@ -78,7 +78,6 @@ class FitReport:
     usable: int  # capacity - the CUDA context's share
     phases: tuple[PhaseNeed, ...]  # step 1 and step 2, forward / backward / optimizer, in time order
     failure: tuple[int, str] | None  # (step, phase) where the capped simulated allocator ran out, or None
-    reserved_extra: int = 0  # bytes kept out of the cap for tensors the dry run does not make (accumulation)
     note: str = ""
     context_note: str = "CUDA context (assumed)"
     rules: str = CPU_RULES  # which device rules the phase needs follow (see cuda_rules.rules_text)
@@ -225,16 +224,10 @@ class FitReport:
             usable = f"usable on {self.device}: {size_text(self.usable)} (print the report: how, and assumptions)"
             footer = [usable, self.verdict(detail=False), *([self.note] if self.note else [])]
             return format_table(cols, rows, note=f"({unit}; -: not reached)", footer=footer)
-        kept = (
-            f"; the allocator replay is capped {size_text(self.reserved_extra)} lower, kept for the "
-            "accumulated gradients and the whole batch's inputs"
-            if self.reserved_extra
-            else ""
-        )
         usable = (
             f"usable on {self.device}: {size_text(self.usable)} = {size_text(self.capacity)} "
             f"{self.capacity_note + ' ' if self.capacity_note else ''}"
-            f"- {size_text(self.capacity - self.usable)} {self.context_note}{kept}"
+            f"- {size_text(self.capacity - self.usable)} {self.context_note}"
         )
         footer = [
             usable,

@@ -25,10 +25,10 @@ def cheapest_fix(cfg: ModelConfig | None = None, batch_size: int = 8, **options)
     A step that already fits needs no change: the list is empty. ``options``: the other fields of
     :class:`~anatomy_helpers.prediction.fit.FitRequest`, by keyword, as for ``will_it_fit``.
 
-    Micro-batches (time only: the same global batch): ``dry_run_config`` has no micro-batches, so the smaller batch
-    is dry-run with the whole gradients added to its forward and backward and the rest of the global batch's inputs
-    to every phase, an upper bound (:func:`~anatomy_helpers.prediction.fit.fit_run`); 2, 4, 8... up to the first
-    that fits. A smaller global batch: the same dry run without accumulation (the largest that fits). Mixed
+    Micro-batches (time only: the same global batch): the global batch dry-run in 2, 4, 8... micro-batches one by
+    one, as ``track_steps(..., micro_batches=k)`` runs them (exact: :func:`~anatomy_helpers.prediction.fit.fit_run`),
+    up to the first that fits. A smaller global batch: the micro-batch's size without accumulation (the largest
+    that fits). Mixed
     precision follows the device: bf16 autocast from compute capability 8.0, fp16 autocast with a GradScaler on a
     T4 (7.5); the fp32 parameters stay the master weights (pure 16-bit weights need a custom optimizer, which
     ``dry_run_config`` cannot build: not offered). With ``micro_batches=m`` every candidate keeps it, and the

@@ -103,16 +103,15 @@ class Lever:
         return request.but(**changes)
 
 
-def _accumulation(batch_size: int | None, micro_batches: int, exact: bool = False) -> list[Lever]:
+def _accumulation(batch_size: int | None, micro_batches: int) -> list[Lever]:
     """Gradient accumulation (2m, 4m, ... micro-batches dividing ``batch_size``: the same global batch), then a
-    smaller global batch (the same micro-batch sizes, not accumulated): the course GPT's and (``exact``: its dry
-    run runs the micro-batches) a fine-tune's."""
+    smaller global batch (the same micro-batch sizes, not accumulated): the course GPT's and a fine-tune's (both
+    dry runs run the micro-batches one by one)."""
     out = []
     k = 2 * micro_batches
-    added = "accumulated gradients and the whole batch's inputs added (upper bound)"
     while batch_size is not None and k <= batch_size:
         if batch_size % k == 0:
-            note = f"{'micro-batches dry-run one by one' if exact else added}; same global batch"
+            note = "micro-batches dry-run one by one; same global batch"
             name = f"micro-batch {batch_size // k} x {k} (accumulate)"
             out.append(Lever(name, ("activations", "temporaries"), "time only", note, step={"micro_batches": k},
                              family="micro-batches", fine_tune={"micro_batches": k}))  # fmt: skip
@@ -254,7 +253,7 @@ def fine_tune_levers(ft, device: Device, world_size: int = 1, zero: int | None =
     shorter sequences, LoRA or a smaller LoRA, a higher ZeRO stage with ``world_size > 1``), sorted by
     :data:`EFFECTS` (stable: within an effect, the catalogue's order, no-FLOP levers before recomputation)."""
     states = ("parameters", "gradients", "optimizer_state")
-    accumulation = _accumulation(ft.batch_size, ft.micro_batches, exact=True)
+    accumulation = _accumulation(ft.batch_size, ft.micro_batches)
     out = [lv for lv in accumulation if lv.family == "micro-batches"]
     out += [FUSED, CHECKPOINT_FULL]
     for stage in range((zero or 0) + 1, 4) if world_size > 1 else ():
@@ -484,7 +483,9 @@ def verify_levers(
         cfg, batch_size, optimizer=optimizer, implementation=impl, device=device if capped else UNBOUNDED, **step
     )
     dev = request.check()
-    trace, _, _ = dry_run_and_replay(cfg, batch_size, optimizer, impl, request.autocast, request.in_backward)
+    trace, _, _ = dry_run_and_replay(
+        cfg, batch_size, optimizer, impl, request.autocast, request.in_backward, request.micro_batches
+    )
     _, category = dominant(trace)
     base = fit_run(request, dev)
     if capped and base.fits:

@@ -31,9 +31,11 @@ Where it falls back to the full dry run (and says why, in the returned reason): 
 ``checkpoint="every_k"`` with ``checkpoint_every`` > 1 (segments group blocks, so the step repeats every k blocks,
 not every block), and any configuration whose rows break the assumptions above (blocks that differ, a first step
 that differs in a way the per-block period does not capture: every_k with k > 1, tried, is refused by these
-checks too). ``dry_run_config`` has no micro-batches, so neither has this. tests/test_periodic.py checks it byte
-for byte against full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention,
-the optimizer in backward).
+checks too). Gradient accumulation (``micro_batches``) passes through to ``dry_run_config``: each depth runs every
+micro-batch, the saved tensors' rows carry their pass (micro-batch) so that one pass's blocks are never aligned
+with the next pass's, and the period is read from the whole step. tests/test_periodic.py checks it byte for byte against
+full-depth dry runs (both blocks, every policy, bf16, autocast, sdpa and manual attention, the optimizer in
+backward, 2 and 4 micro-batches).
 """
 
 from __future__ import annotations
@@ -257,13 +259,30 @@ def _rows(tr: Trace, depth: int, blocks: str = COURSE_BLOCKS) -> dict[str, tuple
         [(m.index,) for m in tr.phase_marks],
     )
     saved = [(s, _role_name(s.module, depth, blocks)) for s in tr.saved]
+    rows = [(s.step, r, s.shape, str(s.dtype), s.bytes, s.storage_bytes, s.category) for s, (r, _) in saved]
     seqs["saved tensors"] = (
-        [(s.step, r, s.shape, str(s.dtype), s.bytes, s.storage_bytes, s.category) for s, (r, _) in saved],
+        [(*row, n) for row, n in zip(rows, _passes(rows))],
         [(b, s.storage) for s, (_, b) in saved],
     )
     grads = [(a, _role_name(p, depth, blocks)) for a, p in tr.grad_param.items()]
     seqs["gradients"] = ([r for _, (r, _) in grads], [(b, a) for a, (_, b) in grads])
     return {k: (t, np.array(n, dtype=np.int64).reshape(len(t), -1)) for k, (t, n) in seqs.items()}
+
+
+def _passes(rows: list[tuple]) -> list[int]:
+    """Each saved-tensor row's pass of its step: how many times its step's first row has come so far (from 1).
+    Gradient accumulation runs a step's forward once per micro-batch, each saving the same rows; numbered, the
+    passes cannot be aligned into one another (a block of one pass matched to the next pass's)."""
+    first: dict = {}
+    seen: dict = {}
+    out = []
+    for row in rows:
+        step = row[0]
+        first.setdefault(step, row)
+        if row == first[step]:
+            seen[step] = seen.get(step, 0) + 1
+        out.append(seen[step])
+    return out
 
 
 def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float, blocks: str = COURSE_BLOCKS) -> Trace:
@@ -301,7 +320,7 @@ def _build(rows: dict[str, tuple[list, np.ndarray]], like: Trace, started: float
     saved = [
         SavedTensor(step=st, module=_named(r, int(b), blocks), shape=shape, dtype=dtypes[dt], bytes=nb,
                     storage=int(a), storage_bytes=sb, category=c)
-        for (st, r, shape, dt, nb, sb, c), (b, a) in zip(*rows["saved tensors"])
+        for (st, r, shape, dt, nb, sb, c, _), (b, a) in zip(*rows["saved tensors"])
     ]  # fmt: skip
     grad_param = {int(a): _named(r, int(b), blocks) for r, (b, a) in zip(*rows["gradients"])}
     return Trace.from_events(
