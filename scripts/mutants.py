@@ -423,7 +423,7 @@ MUTANTS = [
     Mutant(
         "ranks.watched-resize-lost",
         "distributed/ranks.py",
-        "                self.resize(alloc_id, t.untyped_storage().nbytes())",
+        "                self.resize(polled[2], nbytes)",
         "                pass",
         ("tests/test_recorder.py",),
     ),
