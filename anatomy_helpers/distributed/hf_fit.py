@@ -36,7 +36,7 @@ from ..prediction.hf import hf_config
 from ..prediction.hf_cuda_rules import hf_cuda_rules
 from ..prediction.hf_fit import HF_RULES, MODEL_STATES, check_request, describe_hf, hf_assumptions
 from ..prediction.hf_fixes import hf_step_flops, layers_of
-from ..prediction.hf_periodic import periodic_dry_run_hf
+from ..prediction.hf_periodic import hf_period, periodic_dry_run_hf
 from ..prediction.hf_step import (
     FineTune,
     check_dry_runnable,
@@ -54,6 +54,7 @@ from ..prediction.levers import EFFECTS, Fix, Lever, Setup, fine_tune_levers, ra
 from ..prediction.recipes import recipe_of
 from ..tracking.trace import Trace
 from .fake_world import FakeRun, check_rank_job, fake_rank
+from .hf_rank_period import ddp_buckets, zero1_share
 from .ranks import RankJob, Trainee, run_job
 
 #: ``zero`` stage -> lesson 08's strategy (distributed/ranks.py STRATEGIES).
@@ -161,6 +162,27 @@ def dry_run_hf_rank(model, ft: FineTune, world_size: int = 2, zero: int = 0, ran
     return run
 
 
+def periodic_dry_run_hf_rank(
+    model, ft: FineTune, world_size: int = 2, zero: int = 0, rank: int = 0
+) -> tuple[Trace, str | None]:
+    """:func:`dry_run_hf_rank`'s Trace, built from the same rank's dry runs at 3, 4 and 5 layers
+    (prediction/hf_periodic.hf_period: its refusals by name, ``ANATOMY_FULL_DRY_RUN=1``, the period's checks), and
+    None; or the full dry run's, and why (fit.dry_run_text says either). What a rank adds is checked too
+    (distributed/hf_rank_period.py): ZeRO-1's partition and DDP's buckets must repeat layer by layer."""
+    cfg = hf_config(model)
+    positive_int("world_size", world_size)
+    check_rank_job(hf_job(ft, world_size, zero)[0], world_size, rank)  # bad input refused before any dry run
+
+    def check(path: str, traces: list[Trace] | None) -> str | None:
+        if traces is None:
+            return zero1_share(cfg, ft, world_size, rank, path) if zero == 1 else None
+        return ddp_buckets(traces) if zero < 2 else None
+
+    run_at = lambda d: dry_run_hf_rank(layers_of(cfg, d), ft, world_size, zero, rank).result.trace  # noqa: E731
+    trace, why = hf_period(cfg, ft, run_at, check)
+    return (trace, None) if why is None else (dry_run_hf_rank(cfg, ft, world_size, zero, rank).result.trace, why)
+
+
 def rank_note(trace: Trace, world_size: int, zero: int) -> str:
     """What one rank holds before its last optimizer step, and how it was found."""
     before = trace.before_last_optimizer_step()
@@ -194,10 +216,11 @@ def will_it_fit_hf(
 ) -> FitReport:
     """Will ``fine_tune`` (default ``FineTune()``) of ``model`` fit on ``device``, on one device or per rank:
     ``world_size > 1`` is data parallelism under ZeRO stage ``zero`` (0: DDP, the default; 1, 2, 3), each rank
-    running ``fine_tune`` on its own batch; the report is rank 0's, from :func:`dry_run_hf_rank`. With
-    ``world_size == 1``: prediction/hf_fit.py's one-device report, its dry run built from 3, 4 and 5 layers where the
-    layers repeat (prediction/hf_periodic.py; the report's ``dry_run`` says which). ``trace``: the dry run (of
-    that rank), if made.
+    running ``fine_tune`` on its own batch; the report is rank 0's, from :func:`dry_run_hf_rank`, built from 3, 4
+    and 5 layers where the rank's step repeats (:func:`periodic_dry_run_hf_rank`). With ``world_size == 1``:
+    prediction/hf_fit.py's one-device report, its dry run built from 3, 4 and 5 layers where the layers repeat
+    (prediction/hf_periodic.py). Either way the report's ``dry_run`` says which. ``trace``: the dry run (of that
+    rank), if made.
     The report's note names the precision recipe and its bytes per parameter (prediction/recipes.py), ``why`` it
     was chosen (recipes.device_recipe's reason), and warns of bf16 asked for on a GPU without native bf16.
     """
@@ -217,10 +240,13 @@ def will_it_fit_hf(
             corrections, rules = hf_cuda_rules(trace, cfg, fine_tune, dev)  # CUDA's, applied or named
             report = trace_fit_report(trace, label, dev, note, rules, hf_assumptions(fine_tune), corrections)
         return dataclasses.replace(report, dry_run=which)
-    stage = zero or 0
-    trace = dry_run_hf_rank(cfg, fine_tune, world_size, stage).result.trace if trace is None else trace
+    stage, which = zero or 0, ""
+    if trace is None:  # rank 0's, built from 3, 4 and 5 layers where its step repeats (the same bytes)
+        trace, full_why = periodic_dry_run_hf_rank(cfg, fine_tune, world_size, stage)
+        which = dry_run_text(cfg.num_hidden_layers, full_why)
     notes.append(rank_note(trace, world_size, stage))
-    return trace_fit_report(trace, label, dev, "\n".join(filter(None, notes)), HF_RULES, hf_assumptions(fine_tune))
+    report = trace_fit_report(trace, label, dev, "\n".join(filter(None, notes)), HF_RULES, hf_assumptions(fine_tune))
+    return dataclasses.replace(report, dry_run=which)
 
 
 #: What a change may do and still train the fine-tune as asked (the same data, the same trained parameters).

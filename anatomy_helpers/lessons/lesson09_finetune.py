@@ -17,7 +17,7 @@ import torch
 
 from ..core.tables import Col, format_table
 from ..core.units import GiB, KiB, pick_unit
-from ..distributed.hf_fit import dry_run_hf_rank, will_it_fit_hf
+from ..distributed.hf_fit import periodic_dry_run_hf_rank, will_it_fit_hf
 from ..prediction.devices import DEFAULT_GPU
 from ..prediction.formulas import korthikanti_layer_bytes
 from ..prediction.hf import hf_config, meta_parameters, tiny_config
@@ -315,9 +315,10 @@ def dry_run(model, ft: FineTune, world_size: int = 1, zero: int = 0) -> Trace:
     """``dry_run_hf(model, ft, steps=2)``'s Trace (``world_size > 1``: rank 0's under ZeRO stage ``zero``,
     distributed/hf_fit.dry_run_hf_rank), made once per kernel for each configuration and fine-tune: the lesson's
     cells and its panel share them, so moving a control back to a value already seen replays that dry run
-    instead of making it again. ``model``: anything hf.hf_config takes. On one device it is built from dry runs
-    at 3, 4 and 5 layers where the layers repeat (prediction/hf_periodic.py: the same bytes, saved tensors and
-    phases as the full-depth dry run; only its wall times are spread evenly, and nothing here reads them)."""
+    instead of making it again. ``model``: anything hf.hf_config takes. On one device and per rank it is built
+    from dry runs at 3, 4 and 5 layers where the step repeats layer by layer (prediction/hf_periodic.py,
+    distributed/hf_fit.periodic_dry_run_hf_rank: the same bytes, saved tensors and phases as the full-depth dry
+    run; only its wall times are spread evenly, and nothing here reads them)."""
     cfg = hf_config(model)
     key = (cfg.to_json_string(), ft, world_size, zero if world_size > 1 else 0)
     if key not in _DRY_RUNS:
@@ -326,7 +327,7 @@ def dry_run(model, ft: FineTune, world_size: int = 1, zero: int = 0) -> Trace:
         if world_size == 1:
             _DRY_RUNS[key] = periodic_dry_run_hf(cfg, ft, steps=2)[0]
         else:
-            _DRY_RUNS[key] = dry_run_hf_rank(cfg, ft, world_size, zero).result.trace
+            _DRY_RUNS[key] = periodic_dry_run_hf_rank(cfg, ft, world_size, zero)[0]
     return _DRY_RUNS[key]
 
 

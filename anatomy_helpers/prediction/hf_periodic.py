@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -115,15 +116,13 @@ def refused_before_hf(cfg, ft: FineTune, path: str | None = "") -> str | None:
     return f"{picked} picks particular layers of {path}" if picked else None
 
 
-def periodic_dry_run_hf(cfg, ft: FineTune | None = None, steps: int = 2) -> tuple[Trace, str | None]:
-    """``dry_run_hf(cfg, ft, steps)``'s Trace, built from its dry runs at 3, 4 and 5 decoder layers (see the
-    module's docstring); and None, or why the full dry run was made instead (fit.dry_run_text says either in
-    words). ``cfg``: anything hf.hf_config takes; ``ft``: default ``FineTune()``.
-
-    The timeline (samples' steps, phases, modules, bytes per category), the allocations, phase marks, saved
-    tensors and gradients equal the full dry run's; the wall times do not (they are spread evenly).
-    """
-    cfg, ft = hf_config(cfg), FineTune() if ft is None else ft
+def hf_period(cfg, ft: FineTune, run_at: Callable[[int], Trace], check=None) -> tuple[Trace | None, str | None]:
+    """The Trace ``run_at(cfg.num_hidden_layers)`` would give, built by periodic_trace from ``run_at(d)`` at 3, 4
+    and 5 layers (``run_at(d)``: the same dry run of ``cfg`` cut to ``d`` layers: one device's, one rank's), and
+    None; or (None, why it cannot be: :func:`refused_before_hf`, ``ANATOMY_FULL_DRY_RUN=1``, the period's checks, a
+    shallow run refused), for the caller to make the full dry run. ``check(path, traces)``: the caller's own
+    reason to refuse (None: none), given the layer list's path, before any run (``traces`` None) and after the
+    build (``traces``: the Traces at 3, 4 and 5 layers and the built one)."""
     started = time.perf_counter()
     why = f"{FULL_DRY_RUN_ENV}=1 asks for it" if full_dry_run_asked() else refused_before_hf(cfg, ft)
     if why is None:  # the model built (3 layers, meta) only where the configuration leaves the period possible
@@ -131,14 +130,33 @@ def periodic_dry_run_hf(cfg, ft: FineTune | None = None, steps: int = 2) -> tupl
             path = block_list(cfg, ft)
         except ValueError as e:  # the full dry run refuses it too, naming it
             path, why = "", f"its model was not built ({str(e).splitlines()[0]})"
-        why = why or refused_before_hf(cfg, ft, path)
-    if why is None:
-        run_at = lambda d: dry_run_hf(layers_of(cfg, d), ft, steps)  # noqa: E731
-        try:
-            trace = periodic_trace(run_at, cfg.num_hidden_layers, path.rsplit(".", 1)[-1], started=started)
-            return trace, None
-        except NotPeriodic as e:
-            why = str(e)
-        except (DryRunError, ValueError) as e:
-            why = f"a shallow dry run was refused ({str(e).splitlines()[0]})"
-    return dry_run_hf(cfg, ft, steps), why
+        why = why or refused_before_hf(cfg, ft, path) or (check and check(path, None))
+    if why is not None:
+        return None, why
+    traces: dict[int, Trace] = {}
+
+    def shallow(d: int) -> Trace:
+        traces[d] = run_at(d)
+        return traces[d]
+
+    try:
+        trace = periodic_trace(shallow, cfg.num_hidden_layers, path.rsplit(".", 1)[-1], started=started)
+    except NotPeriodic as e:
+        return None, str(e)
+    except (DryRunError, ValueError) as e:
+        return None, f"a shallow dry run was refused ({str(e).splitlines()[0]})"
+    why = check and check(path, [*traces.values(), trace])
+    return (None, why) if why else (trace, None)
+
+
+def periodic_dry_run_hf(cfg, ft: FineTune | None = None, steps: int = 2) -> tuple[Trace, str | None]:
+    """``dry_run_hf(cfg, ft, steps)``'s Trace, built from its dry runs at 3, 4 and 5 decoder layers (see the
+    module's docstring; :func:`hf_period`); and None, or why the full dry run was made instead (fit.dry_run_text
+    says either in words). ``cfg``: anything hf.hf_config takes; ``ft``: default ``FineTune()``.
+
+    The timeline (samples' steps, phases, modules, bytes per category), the allocations, phase marks, saved
+    tensors and gradients equal the full dry run's; the wall times do not (they are spread evenly).
+    """
+    cfg, ft = hf_config(cfg), FineTune() if ft is None else ft
+    trace, why = hf_period(cfg, ft, lambda d: dry_run_hf(layers_of(cfg, d), ft, steps))
+    return (trace, None) if why is None else (dry_run_hf(cfg, ft, steps), why)

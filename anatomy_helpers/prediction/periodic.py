@@ -18,7 +18,9 @@ reduce-scatters belong to the next block, its input to the previous one). A stor
 by the same bytes per block (DDP's one bucket holds every block's gradients). The rows at depth 4 must be those
 at depth 3 with chunks inserted at some places, and the rows at depth 5 those at depth 3 with each chunk inserted
 twice at the same places (where the alignments cut the same repeating rows at two nearby places, the span between
-them is searched for one place that fits both depths); every number of a row that is not inserted (module index,
+them is searched for one place that fits both depths; where none does, a span is joined with the next within a
+few rows, and the block's rows may go in at several places of it: a rank's optimizer state, rows named by no block,
+aligned at depths 4 and 5 in other proportions); every number of a row that is not inserted (module index,
 allocation id, block index, sample index) must grow by the same step from depth 3 to 4 as from 4 to 5. Then the
 rows at depth L are those at depth 3 with L - 3 copies of each chunk, each number moved on by its own steps (per
 depth, and per copy as from the first copy inserted at depth 5 to the second: read there, not checked against a
@@ -148,6 +150,54 @@ def _regions(runs1: list[tuple[int, int]], runs2: list[tuple[int, int]]) -> list
     return [(lo, hi) for lo, hi in merged]
 
 
+#: How many ways of placing a block's rows :func:`_spread` tries before giving up.
+_SPREAD_TRIES = 20_000
+
+
+def _spread(at3: tuple, at4: tuple, at5: tuple, m: int) -> tuple[list, list[np.ndarray]] | None:
+    """The rows (tokens, numbers) at depth DEPTHS[0] + ``m`` of a span of the shallowest run whose block's rows
+    are inserted at several places in it (each place's run of rows once at depth 4 and twice at depth 5, as one run
+    or two, as :func:`_extrapolate` reads one place); ``at3``, ``at4``, ``at5``: the span's (tokens, numbers) at
+    DEPTHS. Each row of the span must keep its place with its numbers grown by the same step per block. None: no
+    such placing found (in :data:`_SPREAD_TRIES` tries)."""
+    (r0, q0), (r1, q1), (r2, q2) = at3, at4, at5
+    tries = [0]
+
+    def go(i: int, a: int, b: int):  # the runs before row i of r0 (at a in r1, at b in r2), then the rest
+        ends = [len(r1)] if i == len(r0) else [e for e in range(a, len(r1)) if r1[e] == r0[i]]
+        for e in ends:
+            run, n = r1[a:e], e - a
+            f = b + 2 * n  # where row i is at depth 5
+            if i == len(r0) and f != len(r2):
+                continue
+            if i < len(r0) and (f >= len(r2) or r2[f] != r0[i] or not np.array_equal(q1[e] - q0[i], q2[f] - q1[e])):
+                continue
+            for y in [n, *range(1, n)] if n else [0]:
+                tries[0] += 1
+                if tries[0] > _SPREAD_TRIES:
+                    return None
+                if r2[b:f] != run[:y] * 2 + run[y:] * 2:
+                    continue
+                rest = go(i + 1, e + 1, f + 1) if i < len(r0) else ([], [])
+                if rest is None:
+                    continue
+                c = q1[a:e]
+                p = np.concatenate([q2[b : b + y], q2[b + 2 * y : b + y + n]])  # depth 5's first copy of each run
+                q = np.concatenate([q2[b + y : b + 2 * y], q2[b + y + n : f]])  # and its second
+                toks, nums = [], []
+                for part in (slice(0, y), slice(y, n)):
+                    for j in range(m):  # copy j of the run: moved on per depth and per copy
+                        toks.extend(run[part])
+                        nums.append((c + (m - 1) * (p - c) + j * (q - p))[part])
+                if i < len(r0):
+                    toks.append(r0[i])
+                    nums.append((q0[i] + m * (q1[e] - q0[i]))[None])
+                return toks + rest[0], nums + rest[1]
+        return None
+
+    return go(0, 0, 0)
+
+
 def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) -> tuple[list, np.ndarray]:
     """The rows (tokens, numbers) at depth DEPTHS[0] + ``m`` from those at DEPTHS (see the module's docstring)."""
     t0, t1, t2 = toks
@@ -167,17 +217,15 @@ def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) ->
     def bounds(w: np.ndarray, length: int, i1: int, i2: int) -> tuple[int, int]:
         return (int(w[i1 - 1]) + 1 if i1 else 0), (int(w[i2]) if i2 < len(w) else length)
 
-    done = 0
-    for i1, i2 in _regions(runs1, runs2):
-        fixed(done, i1)
-        done = i2
+    def block(i1: int, i2: int) -> tuple[list, list[np.ndarray]] | str:
+        """The rows of the span [i1, i2) at depth DEPTHS[0] + m, or why its rows do not repeat."""
         r0, q0 = t0[i1:i2], n0[i1:i2]
         s1, e1 = bounds(w1, len(t1), i1, i2)
         s2, e2 = bounds(w2, len(t2), i1, i2)
         r1, q1, r2, q2 = t1[s1:e1], n1[s1:e1], t2[s2:e2], n2[s2:e2]
         k = len(r1) - len(r0)
         if k <= 0 or len(r2) - len(r0) != 2 * k:
-            raise NotPeriodic(f"the {what} do not gain the same rows per block from depth to depth")
+            return f"the {what} do not gain the same rows per block from depth to depth"
         # where, in the shallowest run's rows, the block's rows go (x), and where they split in two (y): rows
         # inserted at one place may be two runs of each block, every block's first run before every second one, as
         # an optimizer's first step makes every parameter's state, then every parameter's temporaries (y = k: one
@@ -196,17 +244,34 @@ def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) ->
             c = q1[x : x + k]
             p = np.concatenate([q2[x : x + y], q2[x + 2 * y : x + y + k]])  # depth 5's first copy of each run
             q = np.concatenate([q2[x + y : x + 2 * y], q2[x + y + k : x + 2 * k]])  # and its second
-            out_t.extend(r0[:x])
-            out_n.append(head[0] + m * (head[1] - head[0]))
+            toks_out, nums_out = list(r0[:x]), [head[0] + m * (head[1] - head[0])]
             for part in (slice(0, y), slice(y, k)):
                 for j in range(m):  # copy j of the block's rows: moved on per depth and per copy
-                    out_t.extend(chunk[part])
-                    out_n.append((c + (m - 1) * (p - c) + j * (q - p))[part])
-            out_t.extend(r0[x:])
-            out_n.append(tail[0] + m * (tail[1] - tail[0]))
-            break
-        else:
-            raise NotPeriodic(f"the {what} inserted per block do not repeat with the same numbers' steps")
+                    toks_out.extend(chunk[part])
+                    nums_out.append((c + (m - 1) * (p - c) + j * (q - p))[part])
+            toks_out.extend(r0[x:])
+            nums_out.append(tail[0] + m * (tail[1] - tail[0]))
+            return toks_out, nums_out
+        spread = _spread((r0, q0), (r1, q1), (r2, q2), m)  # a span joined from two: the block's rows at two places
+        return spread or f"the {what} inserted per block do not repeat with the same numbers' steps"
+
+    # a span whose rows do not repeat is tried again joined with the next span, where that starts within _NEAR
+    # rows: rows that look alike (a rank's optimizer state, named by no block) can be aligned with a block's rows
+    # cut at two nearby places, in other proportions at depths 4 and 5
+    regions, done, j = _regions(runs1, runs2), 0, 0
+    while j < len(regions):
+        i1, i2 = regions[j]
+        found = first = block(i1, i2)
+        while isinstance(found, str) and j + 1 < len(regions) and regions[j + 1][0] - i2 <= _NEAR:
+            j += 1
+            i2 = regions[j][1]
+            found = block(i1, i2)
+        if isinstance(found, str):
+            raise NotPeriodic(first)
+        fixed(done, i1)
+        out_t.extend(found[0])
+        out_n.extend(found[1])
+        done, j = i2, j + 1
     fixed(done, len(t0))
     return out_t, np.concatenate(out_n) if out_n else n0[:0]
 
