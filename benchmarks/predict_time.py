@@ -19,7 +19,8 @@ one prediction under 10 s, ``--fix`` under 60 s.
 Then, on the same warm cache, the same command with the full-depth dry run forced (``ANATOMY_FULL_DRY_RUN=1``, see
 prediction/fit.py): the second line of each case gives its time and the ratio of its CPU time to the warm run's
 (issue 43: a prediction of a model deeper than 5 blocks dry-runs depths 3, 4 and 5 and extends them, see
-prediction/periodic.py), the third the line the answer starts with, which says which dry run answered. The two
+prediction/periodic.py; a Hugging Face fine-tune, on one device or one rank, the same from 3, 4 and 5 of its layers,
+prediction/hf_periodic.py), the third the line the answer starts with, which says which dry run answered. The two
 printed answers are compared, all but that line: "same answer", or the benchmark stops. Were the full run to check
 op signatures the warm runs had not met, the line says how many (its time then includes those checks).
 """
@@ -81,6 +82,10 @@ def main() -> None:
         ("course default", [], None),
         ("GPT-2 small, batch 8, t4", [*GPT2_SMALL, "--gpu", "t4"], None),
         (f"7B-shaped llama, {args.gpu}", [*SEVEN_B, "--gpu", args.gpu], "< 10 s"),
+    ]
+    cases += [  # a shipped Hugging Face model: LoRA on one T4 (a Colab learner's question), and one rank of 8
+        ("HF llama-3.1-8b LoRA r16, t4", ["--hf", "llama-3.1-8b", "--lora-rank", "16", "--gpu", "t4"], None),
+        ("HF llama-3.1-8b, 8 ranks, ZeRO-3", ["--hf", "llama-3.1-8b", "--world-size", "8", "--zero", "3"], None),
     ]
     if not args.no_fix:
         cases += [

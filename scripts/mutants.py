@@ -597,8 +597,8 @@ MUTANTS = [
     Mutant(
         "periodic.one-block-short",
         "prediction/periodic.py",
-        "                for j in range(m):  # copy j",
-        "                for j in range(m - 1):  # copy j",
+        "        for j in range(m):  # copy j",
+        "        for j in range(m - 1):  # copy j",
         (
             "tests/test_periodic.py::test_periodic_at_twelve_layers",
             "tests/test_periodic_ranks.py::test_periodic_rank_equals_the_full_dry_run",

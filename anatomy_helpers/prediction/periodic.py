@@ -150,6 +150,21 @@ def _regions(runs1: list[tuple[int, int]], runs2: list[tuple[int, int]]) -> list
     return [(lo, hi) for lo, hi in merged]
 
 
+def _copies(rows: list, at4: np.ndarray, at5: np.ndarray, y: int, m: int) -> tuple[list, list[np.ndarray]]:
+    """``m`` copies of a block's ``rows`` (inserted as one run, or as two split at ``y``: every block's first run
+    before every second one), each row's numbers moved on per depth and per copy: ``at4``, the rows' numbers at
+    depth 4; ``at5``, the twice as many rows' at depth 5 (each run twice)."""
+    n = len(rows)
+    first = np.concatenate([at5[:y], at5[2 * y : y + n]])  # depth 5's first copy of each run
+    second = np.concatenate([at5[y : 2 * y], at5[y + n : 2 * n]])  # and its second
+    toks, nums = [], []
+    for part in (slice(0, y), slice(y, n)):
+        for j in range(m):  # copy j
+            toks.extend(rows[part])
+            nums.append((at4 + (m - 1) * (first - at4) + j * (second - first))[part])
+    return toks, nums
+
+
 #: How many ways of placing a block's rows :func:`_spread` tries before giving up.
 _SPREAD_TRIES = 20_000
 
@@ -181,14 +196,7 @@ def _spread(at3: tuple, at4: tuple, at5: tuple, m: int) -> tuple[list, list[np.n
                 rest = go(i + 1, e + 1, f + 1) if i < len(r0) else ([], [])
                 if rest is None:
                     continue
-                c = q1[a:e]
-                p = np.concatenate([q2[b : b + y], q2[b + 2 * y : b + y + n]])  # depth 5's first copy of each run
-                q = np.concatenate([q2[b + y : b + 2 * y], q2[b + y + n : f]])  # and its second
-                toks, nums = [], []
-                for part in (slice(0, y), slice(y, n)):
-                    for j in range(m):  # copy j of the run: moved on per depth and per copy
-                        toks.extend(run[part])
-                        nums.append((c + (m - 1) * (p - c) + j * (q - p))[part])
+                toks, nums = _copies(run, q1[a:e], q2[b:f], y, m)
                 if i < len(r0):
                     toks.append(r0[i])
                     nums.append((q0[i] + m * (q1[e] - q0[i]))[None])
@@ -241,15 +249,9 @@ def _extrapolate(toks: list[list], nums: list[np.ndarray], m: int, what: str) ->
             tail = (q0[x:], q1[x + k :], q2[x + 2 * k :])
             if not all(np.array_equal(b - a, c - b) for a, b, c in (head, tail)):
                 continue
-            c = q1[x : x + k]
-            p = np.concatenate([q2[x : x + y], q2[x + 2 * y : x + y + k]])  # depth 5's first copy of each run
-            q = np.concatenate([q2[x + y : x + 2 * y], q2[x + y + k : x + 2 * k]])  # and its second
-            toks_out, nums_out = list(r0[:x]), [head[0] + m * (head[1] - head[0])]
-            for part in (slice(0, y), slice(y, k)):
-                for j in range(m):  # copy j of the block's rows: moved on per depth and per copy
-                    toks_out.extend(chunk[part])
-                    nums_out.append((c + (m - 1) * (p - c) + j * (q - p))[part])
-            toks_out.extend(r0[x:])
+            toks_out, nums_out = _copies(chunk, q1[x : x + k], q2[x : x + 2 * k], y, m)
+            toks_out = list(r0[:x]) + toks_out + list(r0[x:])
+            nums_out.insert(0, head[0] + m * (head[1] - head[0]))
             nums_out.append(tail[0] + m * (tail[1] - tail[0]))
             return toks_out, nums_out
         spread = _spread((r0, q0), (r1, q1), (r2, q2), m)  # a span joined from two: the block's rows at two places
