@@ -595,6 +595,27 @@ MUTANTS = [
         ("tests/test_mesh2d.py::test_the_rules_at_large_n_equal_the_shapes",),
     ),
     Mutant(
+        "memo.view-made-as-new-storage",
+        "prediction/fake_memo.py",
+        "        if leaf[0] is VIEW:\n            empty.set_(",
+        "        if leaf[0] is None:\n            empty.set_(",
+        ("tests/test_fake_memo.py",),
+    ),
+    Mutant(
+        "memo.key-without-strides",
+        "prediction/fake_memo.py",
+        "            meta = (a.shape, a.stride(), a.storage_offset(),",
+        "            meta = (a.shape, a.storage_offset(),",
+        ("tests/test_fake_memo.py",),
+    ),
+    Mutant(
+        "memo.resizing-out-kept",
+        "prediction/fake_memo.py",
+        "        if kind is IN_PLACE and _key(mode, func, args, kwargs) != key:",
+        "        if False:",
+        ("tests/test_fake_memo.py::test_an_in_place_op_that_resizes_is_not_remembered",),
+    ),
+    Mutant(
         "periodic.one-block-short",
         "prediction/periodic.py",
         "        for j in range(m):  # copy j",

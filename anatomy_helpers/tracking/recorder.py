@@ -19,6 +19,7 @@ from functools import partial
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.units import MiB
 from .events import (
@@ -222,9 +223,12 @@ class Recorder:
         changed (out= ops, ``resize_``) is recorded as resized.
         """
         t = self.storage_tensor(t)
-        if t.is_cuda is not self._cuda or t.is_meta or t.layout is not torch.strided:
+        # A fake tensor's device read from the tensor itself: ``t.device`` (and is_cuda, is_meta) would ask it
+        # through every dispatch mode of a dry run, as an op.
+        device = t.fake_device if type(t) is FakeTensor else t.device
+        if (device.type == "cuda") is not self._cuda or device.type == "meta" or t.layout is not torch.strided:
             return None
-        if self._cuda and t.get_device() != self._cuda_index:  # another GPU's memory is not this model's
+        if self._cuda and device.index != self._cuda_index:  # another GPU's memory is not this model's
             return None
         st = t.untyped_storage()
         alloc_id = self._live.get(st._cdata)

@@ -1,0 +1,242 @@
+"""The fake kernels' answers remembered: an op called again with the same input layouts gets the same output
+layouts without asking its fake kernel again.
+
+A dry run (dryrun.py) runs each op of a step in torch's FakeTensorMode, which asks the op's fake (meta) kernel what
+it returns. FakeTensorMode keeps a cache of those answers, but its key describes every tensor argument in full
+(about 30 fields each, through a path general enough for symbolic shapes), and it caches no op that returns a list
+(``split``, the foreach optimizer ops): about 0.3 ms per op, most of a dry run's time. A model's blocks repeat, so
+most calls repeat an earlier one exactly: the same op with the same shapes, strides, dtypes and devices.
+
+:func:`layout_key` is what an op's output layouts can depend on: the op; each tensor argument's shape, strides,
+storage offset, dtype, device, requires_grad and conjugate and negative bits (and, for an op that writes its
+arguments, its storage's bytes); every other argument by type and value; the grad mode, the default dtype and device
+and inference mode. After the first call, :func:`remember` keeps how to make its outputs again, and
+:func:`outputs_from` makes them for a later call with the same key: a new storage of the bytes the layout spans (a
+fresh output), the same layout on input ``i``'s storage (a view), or input ``i`` itself (an in-place op). Only these
+three are remembered, and only where the first call's outputs show it (each remade once, at once, and compared with
+the fake kernel's: layout, storage bytes, which storage). The ops left out follow torch's own cache
+(``FakeTensorMode._validate_cache_key``): an output shape that depends on values, an in-place view (``t_``,
+``as_strided_``), an op outside aten and prims, a composite view op, a constant or non-fake input; and an in-place
+op whose first call changed an input's layout or storage bytes (``resize_``, an ``out=`` that resizes). A call is
+remembered only once its op signature passed the check against the real kernel (fake_check.py), and a remembered
+answer is given only while it still has: forgetting the checks forgets these too.
+
+tests/test_fake_memo.py compares what is remade with the fake kernel's own outputs, op by op, and dry runs with and
+without it, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+FRESH, VIEW, IN_PLACE, SAME = "fresh", "view", "in place", "same"
+_META = torch.device("meta")
+_SCALARS = frozenset(
+    (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+)
+_METADATA_WRITERS = frozenset(("resize_", "resize_as_", "set_", "_resize_output_", "_set_"))
+
+MISS = object()  # outputs_from: nothing remembered
+_KINDS: dict = {}  # op -> FRESH, VIEW, IN_PLACE or None (never remembered)
+_ANSWERS: dict[tuple, tuple] = {}  # layout_key -> (the op signature checked, how to make the outputs)
+enabled = True  # tests compare dry runs with and without (see off())
+
+
+class _NotKept(Exception):
+    """A call whose outputs are not remembered (see the module docstring)."""
+
+
+def op_kind(func) -> str | None:
+    """FRESH (new outputs only), VIEW (views of an input only), IN_PLACE (writes its arguments and returns them, or
+    nothing) or None: an op whose answers are never remembered."""
+    kind = _KINDS.get(func, _NotKept)
+    if kind is _NotKept:
+        kind = _KINDS[func] = _kind(func)
+    return kind
+
+
+def _kind(func) -> str | None:
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace not in ("aten", "prims"):
+        return None
+    unsure = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.inplace_view)
+    if any(tag in func.tags for tag in unsure) or func._schema.name.split("::")[-1] in _METADATA_WRITERS:
+        return None
+    if func.name().split(".")[0] in ("aten::_unsafe_view", "aten::lift", "aten::lift_fresh", "aten::lift_fresh_copy"):
+        return None
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+    aliased = [r.alias_info for r in func._schema.returns]
+    if func.is_view:
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+        )
+        return None if composite or writes else VIEW
+    if not writes:
+        return FRESH if all(a is None for a in aliased) else None
+    return IN_PLACE if all(a is not None and a.is_write for a in aliased) else None
+
+
+def layout_key(mode, func, args, kwargs) -> tuple | None:
+    """What the output layouts of ``func(*args, **kwargs)`` in the fake ``mode`` can depend on (module docstring),
+    or None where its answer is not remembered."""
+    return _key(mode, func, args, kwargs) if enabled else None
+
+
+def _key(mode, func, args, kwargs) -> tuple | None:
+    kind = op_kind(func)
+    if kind is None:
+        return None
+    key = [func, torch.is_grad_enabled(), torch.get_default_dtype(), torch._C._get_default_device()]
+    key.append(torch.is_inference_mode_enabled())
+    try:
+        _add(key, args, mode, kind is IN_PLACE)
+        for name, value in kwargs.items():
+            key.append(name)
+            _add(key, (value,), mode, kind is IN_PLACE)
+    except (_NotKept, RuntimeError):  # RuntimeError: a sparse tensor's strides
+        return None
+    return tuple(key)
+
+
+def _add(key: list, values, mode, storage_bytes: bool) -> None:
+    for a in values:
+        cls = type(a)
+        if cls is FakeTensor:
+            if a.fake_mode is not mode or a.constant is not None:
+                raise _NotKept
+            meta = (a.shape, a.stride(), a.storage_offset(), a.dtype, a.fake_device, a.requires_grad)
+            key.append((*meta, a.is_conj(), a.is_neg(), a.untyped_storage().nbytes() if storage_bytes else None))
+        elif cls in _SCALARS:
+            key.append(cls)
+            key.append(a)
+        elif cls is list or cls is tuple:
+            key.append(cls)
+            key.append(len(a))
+            _add(key, a, mode, storage_bytes)
+        else:  # a plain tensor, a symbolic size, a generator, an object: left to the fake mode
+            raise _NotKept
+
+
+def outputs_from(mode, key: tuple, args, kwargs, checked: set):
+    """The outputs remembered for ``key``, made anew (new storages, views of the inputs' storages, the inputs
+    themselves; None for an op that returns nothing), or :data:`MISS` where none are remembered or the op signature
+    they were remembered under is no longer in ``checked``."""
+    found = _ANSWERS.get(key)
+    if found is None or found[0] not in checked:
+        return MISS
+    container, leaves = found[1]
+    top = (*args, *kwargs.values())
+    made = [_make(mode, leaf, top) for leaf in leaves]
+    if container is FakeTensor:
+        return made[0]
+    return None if container is None else container(made)
+
+
+def _make(mode, leaf, top):
+    if leaf is None:
+        return None
+    if leaf[0] is SAME:
+        return top[leaf[1]]
+    shape, stride, offset, dtype, device, requires_grad = leaf[2]
+    with in_kernel_invocation_manager(mode):
+        empty = torch.empty_strided(shape, stride, dtype=dtype, device=_META, requires_grad=requires_grad)
+        if leaf[0] is VIEW:
+            empty.set_(top[leaf[1]].untyped_storage(), offset, shape, stride)
+    return FakeTensor(mode, empty, device)
+
+
+def remember(mode, key: tuple, signature: tuple, func, args, kwargs, out) -> None:
+    """Keep how to make ``out`` (what the fake kernel returned for ``func(*args, **kwargs)``, whose layout key is
+    ``key`` and op signature ``signature``) again, if it is one of the kinds remembered (module docstring)."""
+    kind = op_kind(func)
+    top = (*args, *kwargs.values())
+    try:
+        if kind is IN_PLACE and _key(mode, func, args, kwargs) != key:
+            raise _NotKept  # the call changed an input's layout or storage bytes
+        if out is None:
+            container, outs = None, []
+        elif type(out) is FakeTensor:
+            container, outs = FakeTensor, [out]
+        elif type(out) in (tuple, list):
+            container, outs = type(out), list(out)
+        else:
+            raise _NotKept
+        inputs = {t.untyped_storage()._cdata for t in _tensors(top)}
+        leaves = [_leaf(mode, kind, o, top, inputs) for o in outs]
+        fresh = [o.untyped_storage()._cdata for o, leaf in zip(outs, leaves) if leaf is not None and leaf[0] is FRESH]
+        if len(set(fresh)) != len(fresh):
+            raise _NotKept  # two outputs on one new storage
+        for o, leaf in zip(outs, leaves):  # made once now, and compared with the fake kernel's own
+            if _described(_make(mode, leaf, top), top) != _described(o, top):
+                raise _NotKept
+    except _NotKept:
+        return
+    _ANSWERS[key] = (signature, (container, tuple(leaves)))
+
+
+def _tensors(values) -> list:
+    found = []
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found
+
+
+def _leaf(mode, kind: str, o, top: tuple, inputs: set):
+    """How to make output ``o`` again: None, (SAME, i), (VIEW, i, layout) or (FRESH, None, layout)."""
+    if o is None:
+        return None
+    if type(o) is not FakeTensor or o.fake_mode is not mode or o.constant is not None:
+        raise _NotKept
+    if kind is IN_PLACE:
+        same = [i for i, a in enumerate(top) if a is o]
+        if not same:
+            raise _NotKept
+        return (SAME, same[0])
+    if o.layout is not torch.strided or o.is_conj() or o.is_neg():
+        raise _NotKept
+    layout = (tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, o.fake_device, o.requires_grad)
+    storage = o.untyped_storage()._cdata
+    if kind is VIEW:
+        base = [i for i, a in enumerate(top) if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == storage]
+        if not base:
+            raise _NotKept
+        return (VIEW, base[0], layout)
+    if storage in inputs or o.storage_offset() != 0:
+        raise _NotKept
+    return (FRESH, None, layout)
+
+
+def _described(o, top: tuple) -> tuple:
+    """An output as a dry run reads it: its layout, its storage's bytes, which input it is or shares storage with."""
+    if o is None:
+        return (None,)
+    storage = o.untyped_storage()
+    which = [i for i, a in enumerate(top) if isinstance(a, torch.Tensor) and _same_storage(a, storage)]
+    same = [i for i, a in enumerate(top) if a is o]
+    meta = (tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, o.fake_device, o.requires_grad, o.layout)
+    return (*meta, o.is_conj(), o.is_neg(), storage.nbytes(), tuple(which), tuple(same), type(o))
+
+
+def _same_storage(t: torch.Tensor, storage) -> bool:
+    return t.untyped_storage()._cdata == storage._cdata
+
+
+@contextlib.contextmanager
+def off():
+    """Every op asks its fake kernel, as without this module (tests compare the two)."""
+    global enabled
+    before, enabled = enabled, False
+    try:
+        yield
+    finally:
+        enabled = before
+
+
+def forget() -> None:
+    """Forget every remembered answer (a benchmark's cold start)."""
+    _ANSWERS.clear()
