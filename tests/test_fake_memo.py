@@ -49,6 +49,7 @@ CALLS = [
     ("view at an offset", aten.view.default, lambda t: (t["part"], [3, 48]), fake_memo.VIEW),
     ("split (a list of views)", aten.split.Tensor, lambda t: (t["x"], 3, 2), fake_memo.VIEW),
     ("expand", aten.expand.default, lambda t: (t["row"], [5, 8]), fake_memo.VIEW),
+    ("_unsafe_view (undeclared view)", aten._unsafe_view.default, lambda t: (t["x"], [24, 8]), fake_memo.VIEW),
     ("add_", aten.add_.Tensor, lambda t: (t["x"], t["view"].transpose(0, 1)), fake_memo.IN_PLACE),
     ("foreach add_ (returns nothing)", aten._foreach_add_.List, lambda t: (t["xs"], t["ys"]), fake_memo.IN_PLACE),
 ]
@@ -108,7 +109,7 @@ def test_what_is_never_remembered():
     mode = CheckedFakeTensorMode()
     t = _inputs(mode)
     for func in (aten.t_.default, aten.resize_.default, aten.nonzero.default, aten.set_.source_Storage,
-                 aten._unsafe_view.default, aten.lift_fresh.default):  # fmt: skip
+                 aten.lift_fresh.default):  # fmt: skip
         assert fake_memo.op_kind(func) is None, func
     assert fake_memo.layout_key(mode, aten.add.Tensor, (t["x"], torch.ones(1)), {}) is None  # a real tensor
     with mode:

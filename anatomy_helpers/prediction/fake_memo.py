@@ -16,7 +16,8 @@ fresh output), the same layout on input ``i``'s storage (a view), or input ``i``
 three are remembered, and only where the first call's outputs show it (each remade once, at once, and compared with
 the fake kernel's: layout, storage bytes, which storage). The ops left out follow torch's own cache
 (``FakeTensorMode._validate_cache_key``): an output shape that depends on values, an in-place view (``t_``,
-``as_strided_``), an op outside aten and prims, a composite view op, a constant or non-fake input; and an in-place
+``as_strided_``), an op outside aten and prims, a composite view op, a constant or non-fake input (``_unsafe_view``,
+which torch's cache leaves out, is remembered as the view it is); and an in-place
 op whose first call changed an input's layout or storage bytes (``resize_``, an ``out=`` that resizes). A call is
 remembered only once its op signature passed the check against the real kernel (fake_check.py), and a remembered
 answer is given only while it still has: forgetting the checks forgets these too.
@@ -64,8 +65,11 @@ def _kind(func) -> str | None:
     unsure = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.inplace_view)
     if any(tag in func.tags for tag in unsure) or func._schema.name.split("::")[-1] in _METADATA_WRITERS:
         return None
-    if func.name().split(".")[0] in ("aten::_unsafe_view", "aten::lift", "aten::lift_fresh", "aten::lift_fresh_copy"):
+    name = func.name().split(".")[0]
+    if name in ("aten::lift", "aten::lift_fresh", "aten::lift_fresh_copy"):  # how constants enter the fake mode
         return None
+    if name == "aten::_unsafe_view":  # its schema says a new tensor, but it is a view of its input (hence "unsafe")
+        return VIEW
     writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
     aliased = [r.alias_info for r in func._schema.returns]
     if func.is_view:
