@@ -239,8 +239,3 @@ def off():
         yield
     finally:
         enabled = before
-
-
-def forget() -> None:
-    """Forget every remembered answer (a benchmark's cold start)."""
-    _ANSWERS.clear()
