@@ -52,6 +52,17 @@ def op_outputs(func) -> int:
     return REUSES
 
 
+def tensor_args(args, kwargs) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (an ATen op's arguments nest one level at most: lists of tensors)."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found
+
+
 def storage_bytes(tensors, device: torch.device | str | None = None) -> int:
     """Bytes held by the distinct storages behind ``tensors`` (views counted once).
 

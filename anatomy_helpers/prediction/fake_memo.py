@@ -33,6 +33,8 @@ import contextlib
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
+from ..core.tensors import ALLOCATES, VIEWS, op_outputs, tensor_args
+
 FRESH, VIEW, IN_PLACE, SAME = "fresh", "view", "in place", "same"
 _META = torch.device("meta")
 _SCALARS = frozenset(
@@ -70,16 +72,17 @@ def _kind(func) -> str | None:
         return None
     if name == "aten::_unsafe_view":  # its schema says a new tensor, but it is a view of its input (hence "unsafe")
         return VIEW
+    outputs = op_outputs(func)  # what its schema says it returns, as the tracker reads it
     writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-    aliased = [r.alias_info for r in func._schema.returns]
-    if func.is_view:
+    if outputs == VIEWS:
         composite = torch._C._dispatch_has_kernel_for_dispatch_key(
             func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
         )
         return None if composite or writes else VIEW
-    if not writes:
-        return FRESH if all(a is None for a in aliased) else None
-    return IN_PLACE if all(a is not None and a.is_write for a in aliased) else None
+    if outputs == ALLOCATES:  # new outputs, or none: an op that writes its arguments and returns nothing is in place
+        return FRESH if not writes else IN_PLACE if not func._schema.returns else None
+    # in place or out=: every output one of the arguments it writes (whose layout remember() checks is unchanged)
+    return IN_PLACE if all(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns) else None
 
 
 def layout_key(mode, func, args, kwargs) -> tuple | None:
@@ -167,7 +170,7 @@ def remember(mode, key: tuple, signature: tuple, func, args, kwargs, out) -> Non
             container, outs = type(out), list(out)
         else:
             raise _NotKept
-        inputs = {t.untyped_storage()._cdata for t in _tensors(top)}
+        inputs = {t.untyped_storage()._cdata for t in tensor_args(args, kwargs)}
         leaves = [_leaf(mode, kind, o, top, inputs) for o in outs]
         fresh = [o.untyped_storage()._cdata for o, leaf in zip(outs, leaves) if leaf is not None and leaf[0] is FRESH]
         if len(set(fresh)) != len(fresh):
@@ -178,16 +181,6 @@ def remember(mode, key: tuple, signature: tuple, func, args, kwargs, out) -> Non
     except _NotKept:
         return
     _ANSWERS[key] = (signature, (container, tuple(leaves)))
-
-
-def _tensors(values) -> list:
-    found = []
-    for a in values:
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(t for t in a if isinstance(t, torch.Tensor))
-    return found
 
 
 def _leaf(mode, kind: str, o, top: tuple, inputs: set):
@@ -204,13 +197,12 @@ def _leaf(mode, kind: str, o, top: tuple, inputs: set):
     if o.layout is not torch.strided or o.is_conj() or o.is_neg():
         raise _NotKept
     layout = (tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, o.fake_device, o.requires_grad)
-    storage = o.untyped_storage()._cdata
     if kind is VIEW:
-        base = [i for i, a in enumerate(top) if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == storage]
+        base = [i for i, a in enumerate(top) if isinstance(a, torch.Tensor) and _same_storage(a, o.untyped_storage())]
         if not base:
             raise _NotKept
         return (VIEW, base[0], layout)
-    if storage in inputs or o.storage_offset() != 0:
+    if o.untyped_storage()._cdata in inputs or o.storage_offset() != 0:
         raise _NotKept
     return (FRESH, None, layout)
 
