@@ -616,6 +616,31 @@ MUTANTS = [
         ("tests/test_fake_memo.py::test_an_in_place_op_that_resizes_is_not_remembered",),
     ),
     Mutant(
+        "memo-cache.line-hash-unchecked",
+        "prediction/fake_memo_cache.py",
+        '        return found[2] if found[0] == _digest(f"{key}\\t{found[1]}\\t{found[2]}") else None',
+        "        return found[2]",
+        ("tests/test_fake_memo_cache.py::test_a_line_cut_short_or_changed_is_ignored",),
+    ),
+    Mutant(
+        "memo-cache.signature-unchecked",
+        "prediction/fake_memo_cache.py",
+        "        if found is None or found[1] != _digest(signature):",
+        "        if found is None:",
+        ("tests/test_fake_memo_cache.py::test_an_answer_under_another_signature_is_not_taken",),
+    ),
+    Mutant(
+        "memo-cache.taken-before-the-check",
+        "prediction/fake_check.py",
+        "        key = signature(func, args, kwargs)  # before the call: an in-place op may change its inputs'"
+        " layout\n",
+        "        key = signature(func, args, kwargs)\n"
+        "        stored = None if layout is None else fake_memo.stored_outputs(self, layout, key, args, kwargs)\n"
+        "        if stored is not None and stored is not fake_memo.MISS:\n"
+        "            return stored\n",
+        ("tests/test_fake_memo_cache.py::test_no_answer_for_an_op_signature_not_checked_here",),
+    ),
+    Mutant(
         "periodic.one-block-short",
         "prediction/periodic.py",
         "        for j in range(m):  # copy j",

@@ -22,7 +22,8 @@ the same machine and torch version runs nothing for real either.
 Once a signature has passed, the fake kernel's answer for each call is remembered by its exact input layouts
 (fake_memo.py): a later call with the same layouts, in any dry run of the process, gets the same output layouts
 without asking FakeTensorMode again (about five times cheaper per op, profiled on a 7B-shaped ``--fix``), and only
-while its signature stays checked.
+while its signature stays checked; those answers are kept on disk too (fake_memo_cache.py), so that a later process
+takes them from there once the signature is checked in it.
 
 Why this and not a list of ops known to differ: a list is only as good as whoever wrote it, and goes stale with
 each torch release; the check asks the real kernel every time a new signature appears, and costs a few
@@ -216,8 +217,12 @@ class CheckedFakeTensorMode(FakeTensorMode):
     def _note(self, func, types, args, kwargs, layout=None):
         key = signature(func, args, kwargs)  # before the call: an in-place op may change its inputs' layout
         if key in _PASSED or (key not in _ASKED and _passed_on_disk(key)):
+            if layout is not None:  # checked: an earlier process may have remembered its answer (fake_memo.py)
+                out = fake_memo.stored_outputs(self, layout, key, args, kwargs)
+                if out is not fake_memo.MISS:
+                    return out
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if layout is not None:  # checked: its answer is remembered for the next call like it (fake_memo.py)
+            if layout is not None:  # checked: its answer is remembered for the next call like it
                 fake_memo.remember(self, layout, key, func, args, kwargs, out)
             return out
         flat_in = tensor_args(args, kwargs)
@@ -333,6 +338,7 @@ def check_calls(calls: dict[tuple, OpCall], max_bytes: int | None = None) -> tup
         return _check_calls(calls, max_bytes)
     finally:
         write_checks()  # what this call checked, for later processes
+        fake_memo.write_answers()  # and the fake kernels' answers remembered since the last call
 
 
 def _check_calls(calls: dict[tuple, OpCall], max_bytes: int) -> tuple[dict[tuple, str], list]:

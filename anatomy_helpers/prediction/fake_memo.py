@@ -22,6 +22,10 @@ op whose first call changed an input's layout or storage bytes (``resize_``, an 
 remembered only once its op signature passed the check against the real kernel (fake_check.py), and a remembered
 answer is given only while it still has: forgetting the checks forgets these too.
 
+Answers remembered here are appended to a file (fake_memo_cache.py: :func:`write_answers` after each dry run's
+checks) and a later process takes them from it (:func:`stored_outputs`) for a call whose op signature has passed its
+check in that process.
+
 tests/test_fake_memo.py compares what is remade with the fake kernel's own outputs, op by op, and dry runs with and
 without it, byte for byte.
 """
@@ -29,11 +33,14 @@ without it, byte for byte.
 from __future__ import annotations
 
 import contextlib
+import json
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
 from ..core.tensors import ALLOCATES, VIEWS, op_outputs, tensor_args
+from .fake_check_cache import signature_text
+from .fake_memo_cache import stored_answers
 
 FRESH, VIEW, IN_PLACE, SAME = "fresh", "view", "in place", "same"
 _META = torch.device("meta")
@@ -45,6 +52,7 @@ _METADATA_WRITERS = frozenset(("resize_", "resize_as_", "set_", "_resize_output_
 MISS = object()  # outputs_from: nothing remembered
 _KINDS: dict = {}  # op -> FRESH, VIEW, IN_PLACE or None (never remembered)
 _ANSWERS: dict[tuple, tuple] = {}  # layout_key -> (the op signature checked, how to make the outputs)
+_NEW: list[tuple] = []  # layout keys remembered since the last write_answers()
 enabled = True  # tests compare dry runs with and without (see off())
 
 
@@ -181,6 +189,73 @@ def remember(mode, key: tuple, signature: tuple, func, args, kwargs, out) -> Non
     except _NotKept:
         return
     _ANSWERS[key] = (signature, (container, tuple(leaves)))
+    _NEW.append(key)
+
+
+# The answers on disk (fake_memo_cache.py): a key as its repr, an answer as JSON of its op signature's text, its
+# container and its leaves (each None, ["same", i], ["view", i, layout] or ["fresh", null, layout]).
+_CONTAINERS = {"tensor": FakeTensor, "none": None, "tuple": tuple, "list": list}
+_CONTAINER_NAMES = {v: k for k, v in _CONTAINERS.items()}
+_LEAF_KINDS = {SAME: SAME, VIEW: VIEW, FRESH: FRESH}  # a kind read back as the module's own string (compared by is)
+
+
+def stored_outputs(mode, key: tuple, signature: tuple, args, kwargs):
+    """The outputs of an answer an earlier process remembered for ``key`` (fake_memo_cache.py), for a call whose op
+    signature ``signature`` has passed its check in this process; the answer is kept for the rest of the process.
+    :data:`MISS` where none is stored (or the memo is off)."""
+    stored = stored_answers() if enabled else None
+    sig = signature_text(signature) if stored is not None else None
+    text = stored.get(repr(key), sig) if sig is not None else None
+    answer = _answer_from_text(text) if text is not None else None
+    if answer is None:
+        return MISS
+    _ANSWERS[key] = (signature, answer)
+    return outputs_from(mode, key, args, kwargs, (signature,))
+
+
+def write_answers() -> None:
+    """Append the answers remembered since the last call to the file of fake_memo_cache.py, for later processes."""
+    new = [(key, *_ANSWERS[key]) for key in _NEW if key in _ANSWERS]
+    _NEW.clear()
+    stored = stored_answers() if new else None
+    if stored is None:
+        return
+    lines = []
+    for key, signature, (container, leaves) in new:
+        sig = signature_text(signature)
+        if sig is not None:
+            leaves_text = [None if leaf is None else [leaf[0], *_plain(leaf[1:])] for leaf in leaves]
+            lines.append((repr(key), sig, json.dumps([_CONTAINER_NAMES[container], leaves_text])))
+    stored.append(lines)
+
+
+def _plain(part):
+    """A leaf's index and layout as JSON values (dtypes and devices as their names)."""
+    if isinstance(part, (tuple, list)):
+        return [_plain(p) for p in part]
+    return str(part) if isinstance(part, (torch.dtype, torch.device)) else part
+
+
+def _answer_from_text(text: str):
+    """(container, leaves) from a stored answer's text, or None if it is not one."""
+    try:
+        container, leaves = json.loads(text)
+        made = []
+        for leaf in leaves:
+            if leaf is None:
+                made.append(None)
+            elif leaf[0] == SAME:
+                made.append((SAME, int(leaf[1])))
+            else:
+                shape, stride, offset, dtype, device, requires_grad = leaf[2]
+                dtype = getattr(torch, dtype.removeprefix("torch."))
+                if not isinstance(dtype, torch.dtype) or type(requires_grad) is not bool:
+                    return None
+                layout = (tuple(shape), tuple(stride), int(offset), dtype, torch.device(device), requires_grad)
+                made.append((_LEAF_KINDS[leaf[0]], None if leaf[1] is None else int(leaf[1]), layout))
+        return _CONTAINERS[container], tuple(made)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError):
+        return None  # not an answer of this format: the call asks its fake kernel
 
 
 def _leaf(mode, kind: str, o, top: tuple, inputs: set):
