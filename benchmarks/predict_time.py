@@ -12,7 +12,8 @@ the load, the CPU time much less.
 
 Each case runs on one fresh cache directory (``ANATOMY_CACHE_DIR``, see prediction/fake_check.py): *cold*, the
 first run on this machine and torch version, which checks each op signature of its dry runs against the real kernel,
-then *warm*, which reads those checks from the disk; the line ends with the ratio of their CPU times. (With a
+then *warm*, which reads those checks from the disk, and the fake kernels' answers the cold run remembered
+(prediction/fake_memo_cache.py); the line ends with the ratio of their CPU times. (With a
 package that has no disk cache, both runs check everything and the ratio is about 1.) Targets (issue 17, on 2 cores):
 one prediction under 10 s, ``--fix`` under 60 s.
 
