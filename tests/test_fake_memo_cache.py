@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from anatomy_helpers.core.model import ModelConfig
-from anatomy_helpers.prediction import fake_check, fake_check_cache, fake_memo, fake_memo_cache
+from anatomy_helpers.prediction import fake_check, fake_memo, fake_memo_cache
 from anatomy_helpers.prediction.dryrun import dry_run_config
 from anatomy_helpers.prediction.periodic import trace_differences
 
+from .test_fake_check_cache import new_process as forget_checks
 from .test_fake_memo import _random_configs
 
 SMALL = dict(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=64)
@@ -44,10 +45,7 @@ def asks(fresh_op_checks, monkeypatch):
 
 def new_process(monkeypatch):
     """Forget what this process checked, remembered and read from the disk, as a new process starts."""
-    monkeypatch.setattr(fake_check, "_PASSED", set(fake_check._ENTRY_OPS))
-    monkeypatch.setattr(fake_check, "_FAILED", {})
-    monkeypatch.setattr(fake_check, "_ASKED", set())
-    monkeypatch.setattr(fake_check_cache, "_current", None)
+    forget_checks(monkeypatch)
     monkeypatch.setattr(fake_memo, "_ANSWERS", {})
     monkeypatch.setattr(fake_memo, "_NEW", [])
     monkeypatch.setattr(fake_memo_cache, "_current", None)
