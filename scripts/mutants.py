@@ -423,8 +423,8 @@ MUTANTS = [
     Mutant(
         "ranks.watched-resize-lost",
         "distributed/ranks.py",
-        "                self.resize(polled[2], nbytes)",
-        "                pass",
+        "                    self.resize(allocation, nbytes)",
+        "                    pass",
         ("tests/test_recorder.py",),
     ),
     Mutant(
@@ -621,6 +621,14 @@ MUTANTS = [
         '        return found[2] if found[0] == _digest(f"{key}\\t{found[1]}\\t{found[2]}") else None',
         "        return found[2]",
         ("tests/test_fake_memo_cache.py::test_a_line_cut_short_or_changed_is_ignored",),
+    ),
+    Mutant(
+        "memo-cache.append-at-the-end-seen",
+        "prediction/fake_memo_cache.py",
+        "            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)\n",
+        "            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)\n"
+        "            os.lseek(fd, 0, os.SEEK_END)  # the end as this process saw it, not as the write finds it\n",
+        ("tests/test_fake_memo_cache.py::test_concurrent_appenders_leave_every_line_whole",),
     ),
     Mutant(
         "memo-cache.signature-unchecked",

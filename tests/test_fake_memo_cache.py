@@ -3,6 +3,8 @@ remembered, asks no fake kernel for them and gets the same trace, byte for byte,
 an answer is taken only for an op signature checked in this process; a line cut short or changed, a file of another
 namespace, a full file or a directory that cannot be written are each ignored."""
 
+import itertools
+import multiprocessing
 import os
 import re
 import subprocess
@@ -179,3 +181,30 @@ def test_a_cache_dir_that_cannot_be_written_leaves_the_answers_in_the_process(as
         without = dry_run_config(cfg, batch_size=2)
     remembered, never = three_runs(cfg, {"batch_size": 2}, asks)
     assert trace_differences(remembered, without) == [] and fresh_op_checks.is_file()
+
+
+def _append_many(directory: str, writer: int, rounds: int) -> None:
+    stored = fake_memo_cache.StoredAnswers(fake_memo_cache.Path(directory))
+    for i in range(rounds):  # 20 lines of about 2 KiB per append
+        stored.append([(f"key {writer} {i} {j}", "sig", _answer(writer, i, j)) for j in range(20)])
+
+
+def _answer(writer: int, i: int, j: int) -> str:
+    filler = "x" * 2000
+    return f'["tensor", "{writer}-{i}-{j}{filler}"]'
+
+
+def test_concurrent_appenders_leave_every_line_whole(fresh_op_checks):
+    """Four processes append 50 times each (40 KiB at a time): every line read back is whole, and every key is
+    found with its own answer."""
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    procs = [context.Process(target=_append_many, args=(str(fresh_op_checks), w, 50)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * 4
+    stored = fake_memo_cache.StoredAnswers(fresh_op_checks)
+    assert len(stored.answers) == 4 * 50 * 20
+    for w, i, j in itertools.product(range(4), range(50), range(20)):
+        assert stored.get(f"key {w} {i} {j}", "sig") == _answer(w, i, j)
