@@ -625,9 +625,9 @@ MUTANTS = [
     Mutant(
         "memo-cache.append-at-the-end-seen",
         "prediction/fake_memo_cache.py",
-        "            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)\n",
-        "            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)\n"
-        "            os.lseek(fd, 0, os.SEEK_END)  # the end as this process saw it, not as the write finds it\n",
+        "                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)\n",
+        "                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)\n"
+        "                os.lseek(fd, 0, os.SEEK_END)  # the end as this process saw it, not as the write finds it\n",
         ("tests/test_fake_memo_cache.py::test_concurrent_appenders_leave_every_line_whole",),
     ),
     Mutant(

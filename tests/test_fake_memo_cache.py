@@ -165,13 +165,21 @@ def test_another_namespace_starts_a_new_file(asks, fresh_op_checks, monkeypatch)
     assert len(list((fresh_op_checks / "fake-answers").glob("*.txt"))) == 2
 
 
-def test_a_full_file_takes_no_more(asks, fresh_op_checks, monkeypatch):
+def test_a_full_file_starts_over(asks, fresh_op_checks, monkeypatch):
     three_runs(ModelConfig(**SMALL), {"batch_size": 2}, asks)
-    size = answers_file(fresh_op_checks).stat().st_size
-    monkeypatch.setattr(fake_memo_cache, "MAX_FILE_BYTES", size + 100)  # less than another model's answers
-    dry_run_config(ModelConfig(**{**SMALL, "d_model": 24}), batch_size=2)
-    dry_run_config(ModelConfig(**{**SMALL, "d_model": 24}), batch_size=2)
-    assert answers_file(fresh_op_checks).stat().st_size == size
+    path = answers_file(fresh_op_checks)
+    first = set(path.read_text().splitlines())
+    monkeypatch.setattr(fake_memo_cache, "MAX_FILE_BYTES", path.stat().st_size * 3 // 2)
+    other = ModelConfig(**{**SMALL, "d_model": 24})  # about as many answers: the file would grow past the limit
+    dry_run_config(other, batch_size=2)
+    dry_run_config(other, batch_size=2)
+    now = set(path.read_text().splitlines())
+    assert now and not now & first and path.stat().st_size <= fake_memo_cache.MAX_FILE_BYTES
+    assert not list(path.parent.glob(".fake-answers-*"))  # no temporary file left
+    new_process(monkeypatch)
+    asks.update({"asked": 0, "from disk": 0})
+    dry_run_config(other, batch_size=2)  # the new file's answers are taken
+    assert asks["from disk"] > 20
 
 
 def test_a_cache_dir_that_cannot_be_written_leaves_the_answers_in_the_process(asks, fresh_op_checks):
