@@ -194,7 +194,7 @@ def remember(mode, key: tuple, signature: tuple, func, args, kwargs, out) -> Non
     _NEW.append(key)
 
 
-# The answers on disk (fake_memo_cache.py): a key as its repr, an answer as JSON of its op signature's text, its
+# The answers on disk (fake_memo_cache.py), each under its key's repr and its op signature's text: JSON of its
 # container and its leaves (each None, ["same", i], ["view", i, layout] or ["fresh", null, layout]).
 _CONTAINERS = {"tensor": FakeTensor, "none": None, "tuple": tuple, "list": list}
 _CONTAINER_NAMES = {v: k for k, v in _CONTAINERS.items()}
