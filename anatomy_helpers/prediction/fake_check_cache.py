@@ -166,13 +166,20 @@ def write_checks() -> None:
 def checks_on_disk() -> DiskChecks | None:
     """The checks stored in :func:`cache_dir` (None when it cannot be known: no home directory, a source unreadable)."""
     global _current
+    made = of_cache_dir(_current, DiskChecks)
+    _current = made if made is not None else _current
+    return made
+
+
+def of_cache_dir(current, make):
+    """``current`` if it was made for :func:`cache_dir` (its ``directory``), else ``make(cache_dir())``; None when that
+    cannot be known (no home directory, a source unreadable). The op checks' cache and the fake kernels' answers
+    (fake_memo_cache.py) each keep their own ``current``."""
     try:
         directory = cache_dir()
-        if _current is None or _current.directory != directory:
-            _current = DiskChecks(directory)
+        return current if current is not None and current.directory == directory else make(directory)
     except (OSError, RuntimeError):
         return None
-    return _current
 
 
 def signature_text(part) -> str | None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .fake_check_cache import cache_dir
+from .fake_check_cache import of_cache_dir
 
 #: A file of answers that would grow over this starts over (about 150 bytes per answer: about 100,000 answers).
 #: The suite writes about 23 MB in a run (most of them answers no later process asks for); a process reads the file
@@ -56,13 +56,6 @@ _SOURCES = (
 
 def _digest(text: str, size: int = 16) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:size]
-
-
-def _line(key: str, signature: str, answer: str) -> str:
-    """One stored answer: a hash of the rest of the line, then the key's and the op signature's hashes and the
-    answer's text."""
-    body = f"{key}\t{signature}\t{answer}"
-    return f"{_digest(body)}\t{body}\n"
 
 
 def namespace() -> str:
@@ -106,11 +99,14 @@ class StoredAnswers:
     def append(self, answers: list[tuple[str, str, str]]) -> None:
         """Append ``(key text, op signature text, answer text)`` lines not stored yet (an answer without tabs or
         newlines)."""
-        new = {_digest(k, 32): (_digest(sig), a) for k, sig, a in answers}
-        lines = "".join(_line(k, sig, a) for k, (sig, a) in new.items() if k not in self.answers)
-        if not lines:
+        entries = {}  # key hash -> (the line's hash, signature hash, answer), for the keys not stored yet
+        for key, sig, answer in answers:
+            key, sig = _digest(key, 32), _digest(sig)
+            if key not in self.answers:
+                entries[key] = (_digest(f"{key}\t{sig}\t{answer}"), sig, answer)
+        if not entries:
             return
-        data = lines.encode()
+        data = "".join(f"{d}\t{k}\t{sig}\t{a}\n" for k, (d, sig, a) in entries.items()).encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if (self.path.stat().st_size if self.path.exists() else 0) + len(data) > MAX_FILE_BYTES:
@@ -123,9 +119,7 @@ class StoredAnswers:
                     os.close(fd)
         except OSError:
             return  # not writable: the answers stay in this process
-        for row in lines.splitlines():
-            digest, key, sig, answer = row.split("\t")
-            self.answers[key] = (digest, sig, answer)
+        self.answers.update(entries)
 
     def _start_over(self, data: bytes) -> None:
         """A new file of ``data`` alone, moved over the full one (a reader sees one or the other; a line another
@@ -147,10 +141,6 @@ def stored_answers() -> StoredAnswers | None:
     """The answers stored in :func:`~anatomy_helpers.prediction.fake_check_cache.cache_dir` (None when it cannot be
     known: no home directory, a source unreadable)."""
     global _current
-    try:
-        directory = cache_dir()
-        if _current is None or _current.directory != directory:
-            _current = StoredAnswers(directory)
-    except (OSError, RuntimeError):
-        return None
-    return _current
+    made = of_cache_dir(_current, StoredAnswers)
+    _current = made if made is not None else _current
+    return made
